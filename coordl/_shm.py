@@ -1,0 +1,146 @@
+"""Named shared-memory segments: files in /dev/shm, mapped shared, guarded by an flock.
+
+The only module that creates, maps, locks or unlinks shared memory. A segment is one file:
+its bytes are the shared memory and its flock is the cross-process mutex, so there is no
+separate lock file to leak, and the kernel releases the lock of a process that dies holding it.
+"""
+
+import contextlib
+import fcntl
+import glob
+import mmap
+import os
+import time
+
+from coordl._constants import SHM_DIR, SHM_PREFIX
+
+_UNSIZED_GRACE_S = 1.0
+"""How long an empty segment file may wait for its creator to lock and size it."""
+
+
+def free_shm_bytes() -> int:
+    """Bytes free in /dev/shm for an unprivileged writer."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def segment_path(name: str) -> str:
+    """Path of the segment called ``name``."""
+    return os.path.join(SHM_DIR, name)
+
+
+def list_segments(kind: str) -> list[str]:
+    """Names of all coordl segments of ``kind`` (``cdl_*_<kind>``) on this machine."""
+    return sorted(os.path.basename(p) for p in glob.glob(segment_path(f"{SHM_PREFIX}*_{kind}")))
+
+
+class Segment:
+    """A file in /dev/shm mapped read-write and shared, with an exclusive flock for writers.
+
+    Lifecycle: :meth:`create` makes the file (exclusively) and sizes it with its pages really
+    allocated, so a later write can never SIGBUS on a full /dev/shm; :meth:`open` maps an existing
+    one. Whoever decides the segment is no longer used calls :meth:`unlink` (under :meth:`locked`);
+    processes that still map it keep working until they :meth:`close`. A segment whose creator died
+    before publishing its header is found by the caller's own header check and unlinked.
+
+    Each process must open its own Segment: an flock belongs to an open file description, so a
+    descriptor inherited over fork would share (not contend for) its parent's lock.
+    """
+
+    def __init__(self, name: str, fd: int, mm: mmap.mmap):
+        self.name = name
+        self.path = segment_path(name)
+        self._fd = fd
+        self.buf = mm
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment | None":
+        """Create, size and map segment ``name``; None if it already exists.
+
+        The caller holds its lock on return and must release it with :meth:`unlock`.
+
+        Raises:
+            OSError: ``ENOSPC`` if /dev/shm cannot hold ``size`` bytes (the file is removed).
+        """
+        path = segment_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        return cls(name, fd, mm)
+
+    @classmethod
+    def open(cls, name: str) -> "Segment | None":
+        """Map existing segment ``name`` with its lock held; None if it does not exist (any more).
+
+        The caller holds its lock on return and must release it with :meth:`unlock`. A file left
+        empty by a creator that died between creating and sizing it is removed.
+        """
+        path = segment_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        deadline = time.monotonic() + _UNSIZED_GRACE_S
+        while True:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                replaced = os.fstat(fd).st_ino != os.stat(path).st_ino
+            except FileNotFoundError:
+                replaced = True
+            size = os.fstat(fd).st_size
+            if replaced or size or time.monotonic() > deadline:
+                break
+            # The creator may not have taken its lock yet: let it, then look again.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            time.sleep(0.01)
+        if replaced:
+            os.close(fd)
+            return None
+        if not size:
+            os.unlink(path)
+            os.close(fd)
+            return None
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return cls(name, fd, mm)
+
+    @property
+    def size(self) -> int:
+        return len(self.buf)
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the segment's exclusive lock (released on exit, or by the kernel if we die)."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def unlink(self) -> None:
+        """Remove the name; mappings stay valid until closed. Call with the lock held."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                os.unlink(self.path)
+
+    def close(self) -> None:
+        """Unmap and close; idempotent. Views into :attr:`buf` must be released first."""
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

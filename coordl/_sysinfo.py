@@ -1,0 +1,77 @@
+"""Facts about this machine and its processes: liveness by pid and start time, available memory."""
+
+import os
+
+
+def process_start_ticks(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot, 0 where /proc is unavailable or it is gone.
+
+    Together with the pid it names a process uniquely, so a reused pid is not taken for a live user.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0
+    if fields[0] in (b"Z", b"X"):  # zombie or dead: it holds nothing any more
+        return 0
+    return int(fields[19])
+
+
+def is_process_alive(pid: int, start_ticks: int = 0) -> bool:
+    """Whether ``pid`` runs and, when ``start_ticks`` is given, is the same process that had it."""
+    if pid <= 0:
+        return False
+    if os.path.isdir("/proc/self"):
+        ticks = process_start_ticks(pid)
+        return ticks != 0 and (start_ticks == 0 or ticks == start_ticks)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cgroup_memory_headroom() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v1 or v2), None if it has no limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            limit_file, usage_file = f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            limit_file, usage_file = f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except OSError:
+            continue
+        if limit != "max" and int(limit) < 2**60:
+            return max(0, int(limit) - usage)
+    return None
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can give without swapping: MemAvailable, bounded by this cgroup's limit."""
+    available = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    headroom = _cgroup_memory_headroom()
+    return available if headroom is None else min(available, headroom)

@@ -1,0 +1,121 @@
+"""The user's dataset read through coordl's fetch path: MinIO cache first, then storage.
+
+Runs in every DataLoader worker. Counts what it does in shared per-process counter rows, which the
+loader sums for its statistics.
+"""
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from coordl.exceptions import SampleError
+from coordl.minio_cache import MinIOCache
+from coordl.raw_datasets import RawBytesDataset
+from coordl.storage import Storage
+
+COUNTER_FIELDS = ("samples", "hits", "misses", "cache_bytes", "storage_bytes")
+"""Per-sample counters: samples returned, cache hits, storage reads, bytes from cache, bytes from storage."""
+_SAMPLES, _HITS, _MISSES, _CACHE_BYTES, _STORAGE_BYTES = range(len(COUNTER_FIELDS))
+
+
+class SampleCounters:
+    """int64 counters in shared memory, one row per process (row 0: main, 1 + i: worker i).
+
+    Each process writes only its own row, so no locks are needed; readers sum the rows.
+    Travels to workers with the dataset (fork or spawn) and stays shared.
+    """
+
+    def __init__(self, processes: int):
+        self.table = torch.zeros((max(processes, 1), len(COUNTER_FIELDS)), dtype=torch.int64).share_memory_()
+        self._rows = None
+
+    def __getstate__(self) -> dict:
+        return {"table": self.table, "_rows": None}
+
+    def row(self) -> np.ndarray:
+        """This process's row (a writable numpy view)."""
+        if self._rows is None:
+            self._rows = self.table.numpy()
+        info = torch.utils.data.get_worker_info()
+        return self._rows[0 if info is None else 1 + info.id % (len(self._rows) - 1 or 1)]
+
+    def totals(self) -> dict[str, int]:
+        """Each counter summed over all processes."""
+        return dict(zip(COUNTER_FIELDS, (int(v) for v in self.table.sum(dim=0))))
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Map-style dataset that fetches each sample's raw bytes from the cache or storage, then
+    decodes and transforms them with the dataset's own code.
+
+    Args:
+        dataset: the user's dataset; attribute access falls through to it
+            (``loader.dataset.classes`` works).
+        source: how to read ``dataset``'s raw bytes, or None to call ``dataset[i]`` uncached.
+        cache: the node's MinIO cache for this dataset, or None.
+        storage: where misses are read from.
+        counters: shared counters to record hits, misses and bytes in.
+        fingerprint: (digest, total bytes) of the dataset's files, kept so that a loader
+            re-created from this one (Lightning, Accelerate) does not stat every file again.
+    """
+
+    def __init__(self, dataset, source: RawBytesDataset | None, cache: MinIOCache | None,
+                 storage: Storage, counters: SampleCounters, fingerprint: tuple[bytes, int] | None):
+        self.dataset = dataset
+        self.source = source
+        self.cache = cache
+        self.storage = storage
+        self.counters = counters
+        self.fingerprint = fingerprint
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "dataset" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataset"], name)
+
+    def fetch(self, index: int, row: np.ndarray) -> bytes:
+        """Raw bytes of sample ``index``: from the cache, else from storage (then offered to the cache)."""
+        raw = self.cache.get(index) if self.cache is not None else None
+        if raw is not None:
+            row[_HITS] += 1
+            row[_CACHE_BYTES] += len(raw)
+            return raw
+        key = self.source.raw_key(index)
+        try:
+            raw = self.storage.read(key)
+        except OSError as e:
+            raise SampleError(f"cannot read sample {index} ({key}): {e.strerror or e}") from e
+        row[_MISSES] += 1
+        row[_STORAGE_BYTES] += len(raw)
+        if self.cache is not None:
+            self.cache.put(index, raw)
+        return raw
+
+    def __getitem__(self, index: int) -> Any:
+        row = self.counters.row()
+        row[_SAMPLES] += 1
+        if self.source is None:
+            return self.dataset[index]
+        raw = self.fetch(index, row)
+        try:
+            return self.source.decode_raw(index, raw)
+        except OSError as e:  # PIL reports corrupt and truncated images as OSError
+            key = self.source.raw_key(index)
+            raise SampleError(f"cannot decode sample {index} ({key}, {len(raw)} bytes): {e}") from e
+        except Exception as e:
+            if sys.version_info >= (3, 11):
+                e.add_note(f"coordl: while decoding sample {index} ({self.source.raw_key(index)})")
+            raise
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        batched = getattr(self.dataset, "__getitems__", None)
+        if self.source is None and batched:
+            self.counters.row()[_SAMPLES] += len(indices)
+            return batched(indices)
+        return [self[i] for i in indices]

@@ -1,0 +1,256 @@
+"""``coordl.DataLoader``: torch's DataLoader, reading raw sample bytes through a node-wide MinIO cache.
+
+It is a subclass of ``torch.utils.data.DataLoader`` that hands torch a :class:`CachedDataset`
+wrapping the user's dataset. Sampling, worker processes, collation, pinning and error reporting are
+torch's own, so batches are the ones torch would produce, in the same order, from the same seeds.
+This module only composes the stages and keeps the books; it holds no algorithm.
+"""
+
+import getpass
+import hashlib
+import logging
+import os
+import time
+import warnings
+
+import torch.utils.data
+from tqdm.auto import tqdm
+
+from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_FRACTION
+from coordl._logging import configure_from_env
+from coordl._shm import free_shm_bytes
+from coordl._sizes import format_bytes, parse_bytes
+from coordl._sysinfo import available_memory_bytes
+from coordl.cached_dataset import CachedDataset, SampleCounters
+from coordl.minio_cache import MinIOCache, cache_segment_name
+from coordl.raw_datasets import fingerprint_files, raw_source
+from coordl.stats import EpochStats, LoaderStats, add_epoch
+from coordl.storage import FileStorage
+
+logger = logging.getLogger(__name__)
+summary_logger = logging.getLogger("coordl")
+
+
+def parse_cache_bytes(cache_bytes) -> int | None:
+    """Validate ``cache_bytes=``: a byte count (int or ``"8GiB"``), or None for ``"auto"``.
+
+    Raises:
+        ValueError, TypeError: naming the bad value and what is accepted.
+    """
+    accepted = "a non-negative int, a size string such as '8GiB', or 'auto'"
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, str)):
+        raise TypeError(f"cache_bytes should be {accepted}, but got cache_bytes={cache_bytes!r}")
+    if isinstance(cache_bytes, str):
+        if cache_bytes.strip().lower() == "auto":
+            return None
+        try:
+            return parse_bytes(cache_bytes)
+        except ValueError:
+            raise ValueError(f"cache_bytes should be {accepted}, but got cache_bytes={cache_bytes!r}") from None
+    if cache_bytes < 0:
+        raise ValueError(f"cache_bytes should be {accepted}, but got cache_bytes={cache_bytes}")
+    return cache_bytes
+
+
+def _auto_capacity(dataset_bytes: int) -> int:
+    memory, shm = available_memory_bytes(), free_shm_bytes()
+    capacity = int(min(dataset_bytes, AUTO_CACHE_MEMORY_FRACTION * memory, AUTO_CACHE_SHM_FRACTION * shm))
+    logger.info("Because cache_bytes was not given, using %s: the least of the dataset (%s), %d%% of available "
+                "memory (%s) and %d%% of free /dev/shm (%s).", format_bytes(capacity), format_bytes(dataset_bytes),
+                AUTO_CACHE_MEMORY_FRACTION * 100, format_bytes(memory), AUTO_CACHE_SHM_FRACTION * 100,
+                format_bytes(shm))
+    return capacity
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """Drop-in ``torch.utils.data.DataLoader`` that caches raw sample bytes node-wide (MinIO policy).
+
+    Takes every argument of torch's DataLoader, positionally in torch's order, with the same meaning
+    and defaults. Datasets whose samples are files (torchvision ``DatasetFolder``/``ImageFolder``,
+    :class:`coordl.FileDataset`, or any :class:`coordl.RawBytesDataset`) have their raw bytes read
+    through a shared-memory cache that every worker, local rank and job on this machine reading the
+    same dataset shares; decoding and transforms still run per sample, so augmentation is fresh each
+    epoch. Other datasets work as with torch, uncached (coordl says so once).
+
+    Args:
+        cache_bytes: size of the cache. An int, a string such as ``"8GiB"``, ``"auto"`` or 0 (off).
+            ``"auto"`` takes the least of the dataset's size, 50% of available memory and 90% of
+            free /dev/shm. Defaults to ``"auto"``.
+        cache_name: name under which jobs share a cache. Defaults to None: the cache is named by
+            the dataset's fingerprint (file paths, sizes, mtimes), so jobs reading the same files
+            share it and a changed dataset never gets stale bytes.
+        drop_page_cache: after reading a miss from storage, drop its pages from the OS page cache
+            so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
+        progress: show a tqdm progress bar per epoch. Defaults to False.
+
+    Example::
+
+        loader = coordl.DataLoader(ImageFolder(root, transform=train_tf), batch_size=256,
+                                   shuffle=True, num_workers=8, pin_memory=True)
+        for images, labels in loader: ...
+        print(loader.stats().epochs[-1])
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
+                 collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
+                 multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
+                 pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, drop_page_cache=None,
+                 progress=False):
+        configure_from_env()
+        capacity = parse_cache_bytes(cache_bytes)
+        if cache_name is not None and (not isinstance(cache_name, str) or not cache_name):
+            raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
+        self.cache_bytes = cache_bytes
+        self.cache_name = cache_name
+        self.drop_page_cache = drop_page_cache
+        self.progress = progress
+        self._counters = SampleCounters(num_workers + 1)
+        self._epochs: list[EpochStats] = []
+        self._current: tuple[EpochStats, dict, float] | None = None
+        super().__init__(
+            self._wrap(dataset, capacity), batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order)
+
+    def _wrap(self, dataset, capacity: int | None):
+        """The dataset torch will see: the user's dataset behind coordl's fetch path."""
+        fingerprint = None
+        if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
+            fingerprint, dataset = dataset.fingerprint, dataset.dataset
+        source, why = raw_source(dataset)
+        if source is None:
+            warnings.warn(f"coordl cannot cache {type(dataset).__name__}: {why}. It is loaded uncached, as torch "
+                          f"would. Implement coordl.RawBytesDataset to cache it.", stacklevel=3)
+            if isinstance(dataset, torch.utils.data.IterableDataset):
+                return dataset
+        cache = None
+        if source is not None and capacity != 0:
+            if fingerprint is None:
+                fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))])
+            cache = self._open_cache(source, fingerprint, capacity)
+        drop = cache is not None if self.drop_page_cache is None else bool(self.drop_page_cache)
+        return CachedDataset(dataset, source, cache, FileStorage(drop_page_cache=drop), self._counters, fingerprint)
+
+    def _open_cache(self, source, fingerprint: tuple[bytes, int], capacity: int | None) -> MinIOCache | None:
+        digest, dataset_bytes = fingerprint
+        if capacity is None:
+            capacity = _auto_capacity(dataset_bytes)
+        elif capacity > dataset_bytes:
+            logger.info("cache_bytes=%s exceeds the dataset (%s): using %s.", self.cache_bytes,
+                        format_bytes(dataset_bytes), format_bytes(dataset_bytes))
+            capacity = dataset_bytes
+        if capacity == 0:
+            return None
+        scope = self.cache_name or digest.hex()
+        token = hashlib.sha256(f"{os.getuid()}\0{scope}".encode()).hexdigest()[:12]
+        root = getattr(source, "dataset", source)
+        where = getattr(root, "root", None) or os.path.dirname(source.raw_key(0)) if len(source) else "empty"
+        label = f"{self.cache_name or getpass.getuser()}: {len(source)} files in {where}"
+        cache = MinIOCache(cache_segment_name(token), n_items=len(source), capacity_bytes=capacity,
+                           fingerprint=digest, label=label)
+        cache.stats()  # attach now: fail early on a full /dev/shm, and keep the cache alive for workers
+        return cache
+
+    # -- iteration and bookkeeping ---------------------------------------------------------
+
+    def __iter__(self):
+        self._end_epoch(complete=False)  # the previous pass was abandoned midway
+        epoch = EpochStats(epoch=len(self._epochs) + 1)
+        self._current = (epoch, self._counters.totals(), time.perf_counter())
+        return _EpochIterator(self, super().__iter__(), epoch)
+
+    def _end_epoch(self, complete: bool) -> None:
+        if self._current is None:
+            return
+        epoch, start, started = self._current
+        self._current = None
+        for field, value in self._counters.totals().items():
+            setattr(epoch, field, value - start[field])
+        epoch.complete = complete
+        epoch.time_s = time.perf_counter() - started
+        self._epochs.append(epoch)
+        summary_logger.info(epoch.summary_line(self._cache_stats()))
+
+    def _cache_stats(self):
+        cache = getattr(self.dataset, "cache", None)
+        return cache.stats() if cache is not None else None
+
+    def stats(self) -> LoaderStats:
+        """Counters of every finished epoch (and the one in progress), their total, the cache's fill."""
+        epochs = list(self._epochs)
+        if self._current is not None:
+            running, start, started = self._current
+            running = EpochStats(**{**running.__dict__, "time_s": time.perf_counter() - started})
+            for field, value in self._counters.totals().items():
+                setattr(running, field, value - start[field])
+            epochs.append(running)
+        total = EpochStats(epoch=0, complete=all(e.complete for e in epochs))
+        for e in epochs:
+            add_epoch(total, e)
+        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats())
+
+    def close(self) -> None:
+        """Stop persistent workers and release this process's use of the cache. Idempotent.
+
+        The last process using a cache removes it from /dev/shm. Iterating again re-attaches.
+        """
+        self._end_epoch(complete=False)
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        cache = getattr(self.dataset, "cache", None)
+        if cache is not None:
+            cache.close()
+
+    def __enter__(self) -> "DataLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _EpochIterator:
+    """Wraps torch's iterator for one epoch: times the waits, draws the progress bar, closes the epoch."""
+
+    def __init__(self, loader: DataLoader, inner, epoch: EpochStats):
+        self._loader, self._inner, self._epoch = loader, inner, epoch
+        self._bar = None
+        if loader.progress:
+            total = len(inner) if hasattr(inner, "__len__") else None
+            self._bar = tqdm(total=total, desc=f"coordl epoch {epoch.epoch}", unit="batch", dynamic_ncols=True)
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self):
+        started = time.perf_counter()
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._epoch.stall_s += time.perf_counter() - started
+            self._finish(complete=True)
+            raise
+        except BaseException:
+            self._finish(complete=False)
+            raise
+        self._epoch.stall_s += time.perf_counter() - started
+        self._epoch.batches += 1
+        if self._bar is not None:
+            self._bar.update(1)
+            if self._bar.n % 10 == 1:
+                totals = self._loader._counters.totals()
+                fetched = totals["hits"] + totals["misses"]
+                self._bar.set_postfix(stall_s=f"{self._epoch.stall_s:.1f}",
+                                      hit=f"{totals['hits'] / fetched:.0%}" if fetched else "-", refresh=False)
+        return batch
+
+    def _finish(self, complete: bool) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._loader._current is not None and self._loader._current[0] is self._epoch:
+            self._loader._end_epoch(complete)

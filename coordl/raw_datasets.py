@@ -1,0 +1,158 @@
+"""Datasets whose samples are encoded files: the opt-in protocol, coordl's own dataset, adapters.
+
+A dataset opts in to caching by implementing :class:`RawBytesDataset`: ``raw_key(i)`` names the
+file holding sample ``i`` as stored, ``decode_raw(i, raw)`` turns those bytes into exactly what
+``dataset[i]`` returns (decode, then the dataset's own random transforms, drawn afresh per call).
+coordl then reads and caches the raw bytes and never the decoded or augmented sample.
+torchvision ``DatasetFolder``/``ImageFolder`` are recognised as they are.
+"""
+
+import hashlib
+import io
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch.utils.data
+from PIL import Image
+
+
+@runtime_checkable
+class RawBytesDataset(Protocol):
+    """A map-style dataset that coordl can cache: each sample is one stored file.
+
+    Example::
+
+        class Spectrograms(torch.utils.data.Dataset):
+            def __len__(self): return len(self.files)
+            def raw_key(self, i): return self.files[i]
+            def decode_raw(self, i, raw): return augment(load_wav(raw)), self.labels[i]
+            def __getitem__(self, i): return self.decode_raw(i, open(self.files[i], "rb").read())
+    """
+
+    def __len__(self) -> int: ...
+
+    def raw_key(self, index: int) -> str:
+        """Path of the file that stores sample ``index``."""
+        ...
+
+    def decode_raw(self, index: int, raw: bytes) -> Any:
+        """What ``dataset[index]`` returns, computed from the file's bytes ``raw``."""
+        ...
+
+
+def decode_image(raw: bytes) -> Image.Image:
+    """Decode encoded image bytes to an RGB PIL image, as torchvision's ``pil_loader`` does."""
+    return Image.open(io.BytesIO(raw)).convert("RGB")
+
+
+class FileDataset(torch.utils.data.Dataset):
+    """Samples stored one per file, e.g. a list of JPEG paths with labels; cacheable by coordl.
+
+    Args:
+        files: path of each sample's file.
+        targets: label of each sample; if given, items are ``(sample, target)``. Defaults to None.
+        decode: ``"image"`` (RGB PIL image), ``"bytes"`` (the raw bytes) or a callable on the
+            bytes. Defaults to ``"image"``.
+        transform: applied to the decoded sample, e.g. random augmentation. Defaults to None.
+        target_transform: applied to the target. Defaults to None.
+    """
+
+    def __init__(self, files: Sequence[str], targets: Sequence[Any] | None = None,
+                 decode: str | Callable[[bytes], Any] = "image",
+                 transform: Callable | None = None, target_transform: Callable | None = None):
+        if targets is not None and len(targets) != len(files):
+            raise ValueError(f"targets has {len(targets)} entries but files has {len(files)}")
+        decoders = {"image": decode_image, "bytes": bytes}
+        if not callable(decode) and decode not in decoders:
+            raise ValueError(f"decode should be 'image', 'bytes' or a callable, but got decode={decode!r}")
+        self.files = [os.fspath(f) for f in files]
+        self.targets = targets
+        self.decode = decoders.get(decode, decode) if isinstance(decode, str) else decode
+        self.transform = transform
+        self.target_transform = target_transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def raw_key(self, index: int) -> str:
+        return self.files[index]
+
+    def decode_raw(self, index: int, raw: bytes) -> Any:
+        sample = self.decode(raw)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.targets is None:
+            return sample
+        target = self.targets[index]
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return sample, target
+
+    def __getitem__(self, index: int) -> Any:
+        with open(self.files[index], "rb") as f:
+            return self.decode_raw(index, f.read())
+
+
+class DatasetFolderSource:
+    """:class:`RawBytesDataset` view of a torchvision ``DatasetFolder`` that loads with PIL.
+
+    ``decode_raw`` reproduces ``DatasetFolder.__getitem__`` step by step from the bytes.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def raw_key(self, index: int) -> str:
+        return self.dataset.samples[index][0]
+
+    def decode_raw(self, index: int, raw: bytes) -> Any:
+        ds = self.dataset
+        sample, target = decode_image(raw), ds.samples[index][1]
+        if ds.transform is not None:
+            sample = ds.transform(sample)
+        if ds.target_transform is not None:
+            target = ds.target_transform(target)
+        return sample, target
+
+
+def raw_source(dataset) -> tuple[RawBytesDataset | None, str]:
+    """How coordl reads ``dataset``'s raw bytes: (source, "") or (None, why it cannot)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return None, "it is an IterableDataset (samples have no index to cache by)"
+    if isinstance(dataset, RawBytesDataset):
+        return dataset, ""
+    try:
+        from torchvision.datasets import DatasetFolder
+        from torchvision.datasets.folder import default_loader, pil_loader
+        from torchvision import get_image_backend
+    except ImportError:
+        DatasetFolder = None
+    if DatasetFolder is not None and isinstance(dataset, DatasetFolder):
+        if type(dataset).__getitem__ is not DatasetFolder.__getitem__:
+            return None, f"{type(dataset).__name__} overrides __getitem__"
+        if dataset.loader not in (default_loader, pil_loader) or get_image_backend() != "PIL":
+            return None, f"its loader {getattr(dataset.loader, '__name__', dataset.loader)!r} reads files itself"
+        return DatasetFolderSource(dataset), ""
+    return None, f"{type(dataset).__name__} does not implement coordl.RawBytesDataset (raw_key, decode_raw)"
+
+
+def fingerprint_files(keys: Sequence[str]) -> tuple[bytes, int]:
+    """(sha256 over every file's path, size and mtime, total bytes): a changed file changes it.
+
+    A file that cannot be stat'ed is hashed as missing; reading it later names it.
+    """
+    digest = hashlib.sha256(len(keys).to_bytes(8, "little"))
+    total = 0
+    for key in keys:
+        try:
+            st = os.stat(key)
+            size, mtime = st.st_size, st.st_mtime_ns
+        except OSError:
+            size, mtime = -1, 0
+        total += max(size, 0)
+        digest.update(f"{key}\0{size}\0{mtime}\n".encode())
+    return digest.digest(), total

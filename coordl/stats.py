@@ -1,0 +1,61 @@
+"""Loader statistics: per-epoch and total counters, and the per-epoch summary line."""
+
+import dataclasses
+
+from coordl.minio_cache import CacheStats
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """What one epoch (one pass of ``iter(loader)``) did. Epoch 0 in :attr:`LoaderStats.total`."""
+
+    epoch: int
+    complete: bool = False
+    samples: int = 0
+    batches: int = 0
+    hits: int = 0
+    misses: int = 0
+    cache_bytes: int = 0
+    storage_bytes: int = 0
+    stall_s: float = 0.0
+    time_s: float = 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        fetched = self.hits + self.misses
+        return self.hits / fetched if fetched else 0.0
+
+    def summary_line(self, cache: CacheStats | None) -> str:
+        """``key=value`` line logged at the end of each epoch."""
+        fill = f"{cache.fill_fraction:.3f}" if cache is not None else "off"
+        return (f"epoch={self.epoch} complete={int(self.complete)} samples={self.samples} batches={self.batches} "
+                f"hits={self.hits} misses={self.misses} cache_bytes={self.cache_bytes} "
+                f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
+                f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill}")
+
+
+@dataclasses.dataclass
+class LoaderStats:
+    """Returned by ``loader.stats()``: every epoch so far, their total, and the cache's fill state."""
+
+    epochs: list[EpochStats]
+    total: EpochStats
+    cache: CacheStats | None
+
+    def as_dict(self) -> dict:
+        """Plain dict (JSON-serialisable), derived rates included."""
+        def epoch_dict(e: EpochStats) -> dict:
+            return {**dataclasses.asdict(e), "samples_per_s": e.samples_per_s, "hit_rate": e.hit_rate}
+        cache = None if self.cache is None else {**dataclasses.asdict(self.cache),
+                                                 "fill_fraction": self.cache.fill_fraction}
+        return {"epochs": [epoch_dict(e) for e in self.epochs], "total": epoch_dict(self.total), "cache": cache}
+
+
+def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
+    """Accumulate ``epoch``'s counts into ``total``."""
+    for field in ("samples", "batches", "hits", "misses", "cache_bytes", "storage_bytes", "stall_s", "time_s"):
+        setattr(total, field, getattr(total, field) + getattr(epoch, field))
