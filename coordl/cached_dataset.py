@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from coordl._worker import exit_when_orphaned
 from coordl.exceptions import SampleError
 from coordl.minio_cache import MinIOCache
 from coordl.raw_datasets import RawBytesDataset
@@ -79,8 +80,14 @@ class CachedDataset(torch.utils.data.Dataset):
             raise AttributeError(name)
         return getattr(self.__dict__["dataset"], name)
 
+    def _release(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
     def fetch(self, index: int, row: np.ndarray) -> bytes:
         """Raw bytes of sample ``index``: from the cache, else from storage (then offered to the cache)."""
+        if self.cache is not None and torch.utils.data.get_worker_info() is not None:
+            exit_when_orphaned(self._release)
         raw = self.cache.get(index) if self.cache is not None else None
         if raw is not None:
             row[_HITS] += 1

@@ -215,6 +215,9 @@ class _EpochIterator:
 
     def __init__(self, loader: DataLoader, inner, epoch: EpochStats):
         self._loader, self._inner, self._epoch = loader, inner, epoch
+        # Frameworks such as Lightning stop after len(loader) batches without asking for one more,
+        # so a map-style epoch (whose length is exact) is complete at its last batch.
+        self._last_batch = None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else len(inner)
         self._bar = None
         if loader.progress:
             total = len(inner) if hasattr(inner, "__len__") else None
@@ -246,6 +249,8 @@ class _EpochIterator:
                 fetched = totals["hits"] + totals["misses"]
                 self._bar.set_postfix(stall_s=f"{self._epoch.stall_s:.1f}",
                                       hit=f"{totals['hits'] / fetched:.0%}" if fetched else "-", refresh=False)
+        if self._epoch.batches == self._last_batch:
+            self._finish(complete=True)
         return batch
 
     def _finish(self, complete: bool) -> None:

@@ -1,0 +1,32 @@
+"""What coordl does inside DataLoader worker processes beyond fetching samples."""
+
+import os
+import threading
+import time
+
+_ORPHAN_POLL_S = 0.5
+_watching = None
+
+
+def exit_when_orphaned(cleanup) -> None:
+    """Once per worker process: if its parent (the training process) dies, run ``cleanup`` and exit.
+
+    torch's own workers notice a dead parent only between tasks and can then hang forever joining
+    a result queue nobody reads; a worker left behind would keep its cache registration (and so
+    the cache) alive. A daemon thread polls the parent pid and ends the process instead.
+    """
+    global _watching
+    if _watching == os.getpid():
+        return
+    _watching = os.getpid()
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(_ORPHAN_POLL_S)
+        try:
+            cleanup()
+        finally:
+            os._exit(0)
+
+    threading.Thread(target=watch, name="coordl-orphan-watch", daemon=True).start()

@@ -1,0 +1,144 @@
+"""The MinIO cache: exact hit accounting, concurrent fill, sharing across jobs, capacity checks."""
+
+import multiprocessing as mp
+import os
+import secrets
+
+import pytest
+import torchvision
+
+import coordl
+from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
+from tests import _procs
+from tests.conftest import dataset_bytes
+
+
+def _name() -> str:
+    return cache_segment_name(secrets.token_hex(6))
+
+
+def _files(root):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.35, 0.5, 0.65])
+def test_later_epochs_hit_exactly_the_cached_items_and_read_the_rest(image_root, fraction):
+    files = _files(image_root)
+    sizes = {f: os.path.getsize(f) for f in files}
+    dataset = coordl.FileDataset(files, targets=list(range(len(files))), decode=len)
+    with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
+                           cache_bytes=int(fraction * sum(sizes.values()))) as loader:
+        for _ in range(4):
+            for _ in loader:
+                pass
+        stats = loader.stats()
+    cached = stats.cache.items_cached
+    assert 0 < cached < len(files) and stats.cache.frozen
+    assert stats.cache.bytes_cached <= stats.cache.capacity_bytes
+    first, *later = stats.epochs
+    assert (first.hits, first.misses, first.storage_bytes) == (0, len(files), sum(sizes.values()))
+    for epoch in later:
+        assert epoch.hits == cached and epoch.misses == len(files) - cached
+        assert epoch.cache_bytes == stats.cache.bytes_cached
+        assert epoch.storage_bytes == sum(sizes.values()) - stats.cache.bytes_cached
+        assert epoch.samples == len(files)
+
+
+@pytest.mark.slow
+def test_workers_fill_one_cache_concurrently_with_every_item_intact(image_root):
+    files = _files(image_root)
+    dataset = coordl.FileDataset(files, decode="bytes")
+    with coordl.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=4, cache_bytes="1GiB") as loader:
+        for _ in loader:
+            pass
+        cache = loader.dataset.cache
+        assert cache.stats().items_cached == len(files)
+        for i, path in enumerate(files):
+            with open(path, "rb") as f:
+                assert cache.get(i) == f.read()
+        second = [bytes(b) for batch in loader for b in batch]
+    assert loader.stats().epochs[1].hits == len(files) and loader.stats().epochs[1].misses == 0
+    assert len(second) == len(files)
+
+
+@pytest.mark.slow
+def test_concurrent_inserters_each_item_inserted_once():
+    name, n_items = _name(), 300
+    ctx = mp.get_context("spawn")
+    results, barrier = ctx.Queue(), ctx.Barrier(4)
+    procs = [_procs.spawn(_procs.put_all_and_report, name, n_items, 10**6, seed, results, barrier) for seed in range(4)]
+    _procs.join_ok(*procs)
+    assert sum(results.get(timeout=5) for _ in procs) == n_items
+    assert not os.path.exists(f"/dev/shm/{name}")  # the last user removed it
+
+
+def test_full_cache_freezes_and_inserts_nothing_more():
+    with MinIOCache(_name(), n_items=10, capacity_bytes=250, fingerprint=bytes(32)) as cache:
+        assert [cache.put(i, bytes([i]) * 100) for i in range(4)] == [True, True, False, False]
+        assert cache.stats().frozen and cache.stats().items_cached == 2
+        assert cache.get(1) == bytes([1]) * 100 and cache.get(2) is None
+
+
+@pytest.mark.slow
+def test_two_independent_jobs_share_one_cache(image_root):
+    ctx = mp.get_context("spawn")
+    results, go_a, go_b, release = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    size = dataset_bytes(image_root)
+    job_a = _procs.spawn(_procs.run_loader_epochs, image_root, size, 1, 2, results, go_a, release)
+    job_b = _procs.spawn(_procs.run_loader_epochs, image_root, size, 1, 0, results, go_b, release)
+    go_a.set()
+    # job A filled the cache with the whole dataset; job B, started while A still holds it, only hits.
+    pid_a, name_a, epochs_a, _ = results.get(timeout=_procs.JOIN_TIMEOUT)
+    go_b.set()
+    pid_b, name_b, epochs_b, cached = results.get(timeout=_procs.JOIN_TIMEOUT)
+    release.set()
+    _procs.join_ok(job_a, job_b)
+    assert (pid_a, pid_b) == (job_a.pid, job_b.pid)
+    assert name_a == name_b and cached == 96
+    assert epochs_a == [(0, 96)] and epochs_b == [(96, 0)]
+    assert not os.path.exists(f"/dev/shm/{name_a}")
+
+
+def test_a_changed_dataset_gets_a_new_cache_never_stale_bytes(fresh_image_root):
+    dataset = torchvision.datasets.ImageFolder(fresh_image_root)
+    with coordl.DataLoader(dataset, batch_size=8, collate_fn=list, cache_bytes="1GiB") as first:
+        list(first)
+        path = dataset.samples[0][0]
+        with open(path, "ab") as f:
+            f.write(b"\0" * 10)  # the file changes under a live cache
+        with coordl.DataLoader(torchvision.datasets.ImageFolder(fresh_image_root), batch_size=8, collate_fn=list,
+                               cache_bytes="1GiB") as second:
+            assert second.dataset.cache.name != first.dataset.cache.name
+            assert len(list_caches()) >= 2
+            with open(path, "rb") as f:
+                assert second.dataset.fetch(0, second._counters.row()) == f.read()
+
+
+def test_named_cache_of_another_dataset_in_use_is_refused(image_root, fresh_image_root):
+    with coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), cache_name="shared-test", cache_bytes="1MiB"):
+        with pytest.raises(coordl.CacheMismatchError, match="holds a different dataset.*cache_name="):
+            coordl.DataLoader(torchvision.datasets.ImageFolder(fresh_image_root), cache_name="shared-test",
+                              cache_bytes="1MiB")
+
+
+def test_too_little_shm_is_refused_up_front_with_the_fix(tmp_path):
+    files = []
+    for i in range(3):  # sparse files: 3 x 8 TiB of dataset, no disk used
+        files.append(str(tmp_path / f"huge{i}.bin"))
+        with open(files[-1], "wb") as f:
+            f.truncate(8 * 2**40)
+    with pytest.raises(coordl.ShmCapacityError, match=r"exceeds free space in /dev/shm .*cache_bytes=.*--shm-size"):
+        coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), cache_bytes="16TiB")
+    with pytest.raises(MemoryError):  # also catchable as the builtin
+        MinIOCache(_name(), n_items=1, capacity_bytes=2**50, fingerprint=bytes(32)).stats()
+
+
+def test_auto_cache_is_capped_at_the_dataset_and_zero_turns_it_off(image_root):
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    with coordl.DataLoader(dataset, collate_fn=list) as auto:
+        assert auto.dataset.cache.stats().capacity_bytes == dataset_bytes(image_root)
+    with coordl.DataLoader(dataset, collate_fn=list, cache_bytes=0) as off:
+        assert off.dataset.cache is None and not off.dataset.storage.drop_page_cache
+        list(off)
+        assert off.stats().epochs[0].misses == 96 and off.stats().cache is None

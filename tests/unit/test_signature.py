@@ -1,0 +1,20 @@
+import inspect
+
+import torch.utils.data
+
+import coordl
+
+
+def test_torch_parameters_come_first_in_torch_order_with_torch_defaults():
+    ours = list(inspect.signature(coordl.DataLoader.__init__).parameters.values())
+    theirs = list(inspect.signature(torch.utils.data.DataLoader.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[:len(theirs)]] == \
+        [(p.name, p.kind, p.default) for p in theirs]
+
+
+def test_coordl_options_are_keyword_only():
+    params = inspect.signature(coordl.DataLoader.__init__).parameters
+    extra = list(params)[len(inspect.signature(torch.utils.data.DataLoader.__init__).parameters):]
+    assert extra == ["cache_bytes", "cache_name", "drop_page_cache", "progress"]
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
+    assert params["cache_bytes"].default == "auto"
