@@ -40,8 +40,8 @@ class SampleCounters:
         """This process's row (a writable numpy view)."""
         if self._rows is None:
             self._rows = self.table.numpy()
-        info = torch.utils.data.get_worker_info()
-        return self._rows[0 if info is None else 1 + info.id % (len(self._rows) - 1 or 1)]
+        info, n = torch.utils.data.get_worker_info(), len(self._rows)
+        return self._rows[0 if info is None or n == 1 else 1 + info.id % (n - 1)]
 
     def totals(self) -> dict[str, int]:
         """Each counter summed over all processes."""

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 
 import torch.utils.data
 from tqdm.auto import tqdm
@@ -104,16 +105,17 @@ class DataLoader(torch.utils.data.DataLoader):
         self.cache_name = cache_name
         self.drop_page_cache = drop_page_cache
         self.progress = progress
-        self._counters = SampleCounters(num_workers + 1)
         self._epochs: list[EpochStats] = []
-        self._current: tuple[EpochStats, dict, float] | None = None
+        self._current: tuple | None = None  # (epoch, its counters, their totals at its start, start time)
+        self._last_pass = None  # weakref to torch's iterator of the latest pass
+        self._last_cache_stats = None
         super().__init__(
-            self._wrap(dataset, capacity), batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            self._wrap(dataset, capacity, num_workers), batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order)
 
-    def _wrap(self, dataset, capacity: int | None):
+    def _wrap(self, dataset, capacity: int | None, num_workers: int):
         """The dataset torch will see: the user's dataset behind coordl's fetch path."""
         fingerprint = None
         if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
@@ -130,7 +132,8 @@ class DataLoader(torch.utils.data.DataLoader):
                 fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))])
             cache = self._open_cache(source, fingerprint, capacity)
         drop = cache is not None if self.drop_page_cache is None else bool(self.drop_page_cache)
-        return CachedDataset(dataset, source, cache, FileStorage(drop_page_cache=drop), self._counters, fingerprint)
+        return CachedDataset(dataset, source, cache, FileStorage(drop_page_cache=drop),
+                             SampleCounters(num_workers + 1), fingerprint)
 
     def _open_cache(self, source, fingerprint: tuple[bytes, int], capacity: int | None) -> MinIOCache | None:
         digest, dataset_bytes = fingerprint
@@ -157,33 +160,58 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         self._end_epoch(complete=False)  # the previous pass was abandoned midway
         epoch = EpochStats(epoch=len(self._epochs) + 1)
-        self._current = (epoch, self._counters.totals(), time.perf_counter())
-        return _EpochIterator(self, super().__iter__(), epoch)
+        counters = self._pass_counters()
+        self._current = (epoch, counters, counters.totals() if counters else {}, time.perf_counter())
+        inner = super().__iter__()
+        self._last_pass = weakref.ref(inner)
+        return _EpochIterator(self, inner, epoch, counters)
+
+    def _pass_counters(self) -> SampleCounters | None:
+        """The counters the coming pass's fetches land in.
+
+        A pass that starts its own workers (or fetches in-process) gets a fresh table, so samples
+        that an abandoned earlier pass's workers still prefetch are never counted in this one.
+        Persistent workers keep the table they were started with; their passes are told apart
+        by differences.
+        """
+        dataset = self.dataset
+        if not isinstance(dataset, CachedDataset):
+            return None
+        if self.num_workers == 0 or not self.persistent_workers or self._iterator is None:
+            dataset.counters = SampleCounters(self.num_workers + 1)
+        return dataset.counters
+
+    @staticmethod
+    def _fill_counts(epoch: EpochStats, counters: SampleCounters | None, start: dict) -> None:
+        if counters is not None:
+            for field, value in counters.totals().items():
+                setattr(epoch, field, value - start[field])
 
     def _end_epoch(self, complete: bool) -> None:
         if self._current is None:
             return
-        epoch, start, started = self._current
+        epoch, counters, start, started = self._current
         self._current = None
-        for field, value in self._counters.totals().items():
-            setattr(epoch, field, value - start[field])
+        self._fill_counts(epoch, counters, start)
         epoch.complete = complete
         epoch.time_s = time.perf_counter() - started
         self._epochs.append(epoch)
         summary_logger.info(epoch.summary_line(self._cache_stats()))
 
     def _cache_stats(self):
+        """The cache's fill now, or as it was at close() (reading it must not re-attach)."""
         cache = getattr(self.dataset, "cache", None)
-        return cache.stats() if cache is not None else None
+        if cache is not None and cache.attached:
+            self._last_cache_stats = cache.stats()
+        return self._last_cache_stats
 
     def stats(self) -> LoaderStats:
         """Counters of every finished epoch (and the one in progress), their total, the cache's fill."""
         epochs = list(self._epochs)
         if self._current is not None:
-            running, start, started = self._current
+            running, counters, start, started = self._current
             running = EpochStats(**{**running.__dict__, "time_s": time.perf_counter() - started})
-            for field, value in self._counters.totals().items():
-                setattr(running, field, value - start[field])
+            self._fill_counts(running, counters, start)
             epochs.append(running)
         total = EpochStats(epoch=0, complete=all(e.complete for e in epochs))
         for e in epochs:
@@ -191,14 +219,17 @@ class DataLoader(torch.utils.data.DataLoader):
         return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats())
 
     def close(self) -> None:
-        """Stop persistent workers and release this process's use of the cache. Idempotent.
+        """Stop this loader's workers and release this process's use of the cache. Idempotent.
 
         The last process using a cache removes it from /dev/shm. Iterating again re-attaches.
         """
         self._end_epoch(complete=False)
-        iterator, self._iterator = self._iterator, None
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        latest = self._last_pass() if self._last_pass is not None else None
+        for iterator in {id(it): it for it in (self._iterator, latest) if it is not None}.values():
+            if hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+        self._iterator = self._last_pass = None
+        self._cache_stats()
         cache = getattr(self.dataset, "cache", None)
         if cache is not None:
             cache.close()
@@ -213,8 +244,8 @@ class DataLoader(torch.utils.data.DataLoader):
 class _EpochIterator:
     """Wraps torch's iterator for one epoch: times the waits, draws the progress bar, closes the epoch."""
 
-    def __init__(self, loader: DataLoader, inner, epoch: EpochStats):
-        self._loader, self._inner, self._epoch = loader, inner, epoch
+    def __init__(self, loader: DataLoader, inner, epoch: EpochStats, counters: SampleCounters | None):
+        self._loader, self._inner, self._epoch, self._counters = loader, inner, epoch, counters
         # Frameworks such as Lightning stop after len(loader) batches without asking for one more,
         # so a map-style epoch (whose length is exact) is complete at its last batch.
         self._last_batch = None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else len(inner)
@@ -244,8 +275,8 @@ class _EpochIterator:
         self._epoch.batches += 1
         if self._bar is not None:
             self._bar.update(1)
-            if self._bar.n % 10 == 1:
-                totals = self._loader._counters.totals()
+            if self._bar.n % 10 == 1 and self._counters is not None:
+                totals = self._counters.totals()
                 fetched = totals["hits"] + totals["misses"]
                 self._bar.set_postfix(stall_s=f"{self._epoch.stall_s:.1f}",
                                       hit=f"{totals['hits'] / fetched:.0%}" if fetched else "-", refresh=False)

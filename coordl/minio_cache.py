@@ -356,8 +356,13 @@ class MinIOCache:
 
     # -- inspection and cleanup --------------------------------------------------------------
 
+    @property
+    def attached(self) -> bool:
+        """Whether this process currently maps the cache through this handle."""
+        return self._pid == os.getpid()
+
     def stats(self) -> CacheStats:
-        """Fill state of the cache as all its users see it."""
+        """Fill state of the cache as all its users see it (attaching if need be)."""
         views = self._ensure()
         return _stats_of(self.name, self._segment.buf, views, users_alive=None)
 

@@ -112,7 +112,7 @@ def test_a_changed_dataset_gets_a_new_cache_never_stale_bytes(fresh_image_root):
             assert second.dataset.cache.name != first.dataset.cache.name
             assert len(list_caches()) >= 2
             with open(path, "rb") as f:
-                assert second.dataset.fetch(0, second._counters.row()) == f.read()
+                assert second.dataset.fetch(0, second.dataset.counters.row()) == f.read()
 
 
 def test_named_cache_of_another_dataset_in_use_is_refused(image_root, fresh_image_root):

@@ -1,0 +1,85 @@
+"""The ``coordl`` command: ``coordl demo``, ``coordl cache ls``, ``coordl cache rm``."""
+
+import argparse
+import sys
+
+from coordl import minio_cache
+from coordl._sizes import format_bytes
+
+
+def _cache_ls(args) -> int:
+    caches = minio_cache.list_caches()
+    if not caches:
+        print("no coordl caches in /dev/shm")
+        return 0
+    print(f"{'name':<24}{'items':>16}{'bytes':>24}{'frozen':>8}{'users':>7}  dataset")
+    for c in caches:
+        items = f"{c.items_cached}/{c.n_items}"
+        size = f"{format_bytes(c.bytes_cached)}/{format_bytes(c.capacity_bytes)}"
+        state = "stale" if c.users_alive == 0 else str(c.users_alive)
+        print(f"{c.name:<24}{items:>16}{size:>24}{'yes' if c.frozen else 'no':>8}{state:>7}  {c.label}")
+    return 0
+
+
+def _cache_rm(args) -> int:
+    if not args.names and not args.stale:
+        print("name the caches to remove (see `coordl cache ls`), or pass --stale", file=sys.stderr)
+        return 2
+    caches = {c.name: c for c in minio_cache.list_caches()}
+    targets = list(args.names) or [n for n, c in caches.items() if c.users_alive == 0]
+    status = 0
+    for name in targets:
+        cache = caches.get(name)
+        if cache is None:
+            print(f"{name}: no such cache", file=sys.stderr)
+            status = 1
+        elif cache.users_alive and not args.force:
+            print(f"{name}: in use by {cache.users_alive} process(es); pass --force to remove it anyway",
+                  file=sys.stderr)
+            status = 1
+        elif args.dry_run:
+            print(f"would remove {name} ({format_bytes(cache.capacity_bytes)}, {cache.label})")
+        elif minio_cache.remove_cache(name, force=args.force):
+            print(f"removed {name} ({format_bytes(cache.capacity_bytes)}, {cache.label})")
+    return status
+
+
+def _demo(args) -> int:
+    from coordl.demo import run_demo
+    run_demo(images=args.images, epochs=args.epochs, cache_fraction=args.cache_fraction, workers=args.workers,
+             batch_size=args.batch_size, root=args.dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coordl", description="coordl: a DataLoader without data stalls.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="torch's DataLoader against coordl on a generated JPEG dataset")
+    demo.add_argument("--images", type=int, default=1500, help="JPEGs to generate (default: 1500, ~130 MB)")
+    demo.add_argument("--epochs", type=int, default=3)
+    demo.add_argument("--cache-fraction", type=float, default=0.5, help="coordl cache size / dataset size")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--dir", help="keep the dataset in DIR (generated once) instead of a temporary folder")
+    demo.set_defaults(func=_demo)
+
+    cache = sub.add_parser("cache", help="inspect and remove MinIO caches in /dev/shm").add_subparsers(
+        dest="cache_command", required=True)
+    cache.add_parser("ls", help="list caches, their fill and users").set_defaults(func=_cache_ls)
+    rm = cache.add_parser("rm", help="remove caches")
+    rm.add_argument("names", nargs="*", help="caches to remove (as `coordl cache ls` names them)")
+    rm.add_argument("--stale", action="store_true", help="remove every cache whose users are all gone")
+    rm.add_argument("--force", action="store_true", help="also remove caches still in use")
+    rm.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    rm.set_defaults(func=_cache_rm)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""`coordl cache ls` / `coordl cache rm` on real caches, live and stale."""
+
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
+from coordl.minio_cache import MinIOCache, cache_segment_name
+from tests import _procs
+
+
+def _coordl(*args):
+    return subprocess.run([sys.executable, "-m", "coordl.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def _stale_cache() -> str:
+    name = cache_segment_name(secrets.token_hex(6))
+    locked = mp.get_context("spawn").Event()
+    proc = _procs.spawn(_procs.hold_lock_then_die, name, 4, 4096, locked)
+    proc.join(_procs.JOIN_TIMEOUT)
+    assert proc.exitcode == -signal.SIGKILL
+    return name
+
+
+def test_ls_and_rm(tmp_path):
+    live = MinIOCache(cache_segment_name(secrets.token_hex(6)), n_items=3, capacity_bytes=1000,
+                      fingerprint=bytes(32), label="cli-test live")
+    live.put(0, b"x" * 100)
+    stale = _stale_cache()
+    try:
+        out = _coordl("cache", "ls").stdout
+        assert live.name in out and "1/3" in out and "cli-test live" in out
+        assert stale in out and "stale" in out.split(stale)[1].splitlines()[0]
+
+        refused = _coordl("cache", "rm", live.name)
+        assert refused.returncode == 1 and "in use by 1 process" in refused.stderr
+        assert _coordl("cache", "rm", "--stale", "--dry-run").stdout.startswith(f"would remove {stale}")
+        assert os.path.exists(f"/dev/shm/{stale}")
+        removed = _coordl("cache", "rm", "--stale")
+        assert removed.returncode == 0 and f"removed {stale}" in removed.stdout
+        assert not os.path.exists(f"/dev/shm/{stale}") and os.path.exists(f"/dev/shm/{live.name}")
+        assert _coordl("cache", "rm", "--force", live.name).returncode == 0
+        assert not os.path.exists(f"/dev/shm/{live.name}")
+        assert live.get(0) == b"x" * 100  # a forcibly removed cache keeps serving its users
+    finally:
+        live.close()

@@ -1,0 +1,68 @@
+"""Bad files and bad settings give errors that name the file, index or setting at fault."""
+
+import os
+
+import pytest
+import torchvision
+
+import coordl
+
+
+def _loader(root, num_workers):
+    return coordl.DataLoader(torchvision.datasets.ImageFolder(root), batch_size=4, num_workers=num_workers,
+                             collate_fn=list, cache_bytes="1MiB")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_jpeg_names_the_file_and_index(fresh_image_root, num_workers, damage):
+    dataset = torchvision.datasets.ImageFolder(fresh_image_root)
+    index = 5
+    path = dataset.samples[index][0]
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(b"this is not a jpeg" * 20 if damage == "garbage" else data[: len(data) // 2])
+    with _loader(fresh_image_root, num_workers) as loader:
+        with pytest.raises(coordl.SampleError, match=rf"cannot decode sample {index} \({path}"):
+            list(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_missing_file_names_the_file_and_index(fresh_image_root, num_workers):
+    dataset = torchvision.datasets.ImageFolder(fresh_image_root)
+    path = dataset.samples[7][0]
+    with _loader(fresh_image_root, num_workers) as loader:
+        os.remove(path)
+        with pytest.raises(coordl.SampleError, match=rf"cannot read sample 7 \({path}\): No such file"):
+            list(loader)
+    with coordl.DataLoader(dataset, cache_bytes=0) as uncached, pytest.raises(OSError):  # the builtin, too
+        uncached.dataset[7]
+
+
+def test_worker_death_is_reported_as_torch_reports_it(image_root):
+    class Dies(torchvision.datasets.ImageFolder):
+        def __getitem__(self, index):
+            os._exit(3)
+
+    with coordl.DataLoader(Dies(image_root), num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match="DataLoader worker .* exited unexpectedly"):
+            list(loader)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(cache_bytes=-1), ValueError, "cache_bytes should be"),
+    (dict(cache_bytes="huge"), ValueError, "cache_bytes should be"),
+    (dict(cache_name=""), ValueError, "cache_name should be"),
+    (dict(batch_size=0), ValueError, "batch_size"),  # torch's own checks still apply
+])
+def test_bad_settings_are_refused(image_root, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), **kwargs)
+
+
+def test_bad_log_level_names_the_variable(monkeypatch, image_root):
+    monkeypatch.setenv("COORDL_LOG_LEVEL", "LOUD")
+    monkeypatch.setattr("coordl._logging._configured", False)
+    with pytest.raises(ValueError, match="COORDL_LOG_LEVEL='LOUD' is not a logging level"):
+        coordl.DataLoader(torchvision.datasets.ImageFolder(image_root))

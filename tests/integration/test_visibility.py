@@ -1,0 +1,94 @@
+"""stats(), the per-epoch summary line, the progress bar, and page-cache hygiene of misses."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torchvision
+
+import coordl
+from coordl.storage import FileStorage
+
+SCRIPT = """
+import sys, torchvision, coordl
+loader = coordl.DataLoader(torchvision.datasets.ImageFolder(sys.argv[1]), batch_size=16, shuffle=True,
+                           collate_fn=list, cache_bytes=sys.argv[2], progress=sys.argv[3] == "1")
+for _ in range(2):
+    for _ in loader:
+        pass
+loader.close()
+"""
+
+
+def _run_script(root, cache_bytes, progress, env_level):
+    env = {**os.environ, "COORDL_LOG_LEVEL": env_level} if env_level else {
+        k: v for k, v in os.environ.items() if k != "COORDL_LOG_LEVEL"}
+    return subprocess.run([sys.executable, "-c", SCRIPT, root, str(cache_bytes), str(int(progress))],
+                          capture_output=True, text=True, env=env, timeout=120, check=True)
+
+
+@pytest.mark.slow
+def test_summary_line_per_epoch_when_the_environment_asks(image_root):
+    err = _run_script(image_root, 200_000, False, "INFO").stderr
+    lines = [line for line in err.splitlines() if " coordl INFO epoch=" in line]
+    assert len(lines) == 2, err
+    fields = [dict(kv.split("=", 1) for kv in line.split(" coordl INFO ")[1].split()) for line in lines]
+    for f in fields:
+        assert {"epoch", "samples", "hits", "misses", "storage_bytes", "stall_s"} <= f.keys()
+        assert f["samples"] == "96" and int(f["hits"]) + int(f["misses"]) == 96
+    assert fields[0]["hits"] == "0" and int(fields[1]["hits"]) > 0
+    assert "Because cache_bytes was not given" not in err and "created cache" in err
+    quiet = _run_script(image_root, 200_000, False, None).stderr
+    assert "epoch=" not in quiet
+
+
+@pytest.mark.slow
+def test_progress_bar(image_root):
+    err = _run_script(image_root, "auto", True, None).stderr
+    assert "coordl epoch 1" in err and "coordl epoch 2" in err and "6/6" in err
+
+
+@pytest.mark.slow
+def test_stats_per_epoch_and_total(image_root):
+    with coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), batch_size=10, num_workers=2,
+                           shuffle=True, collate_fn=list, cache_bytes=10**6) as loader:
+        it = iter(loader)  # an abandoned pass whose workers go on prefetching
+        next(it)
+        for _ in range(2):
+            list(loader)
+        stats = loader.stats()
+    partial, first, second = stats.epochs
+    assert not partial.complete and partial.batches == 1
+    assert first.complete and second.complete
+    assert first.samples == second.samples == 96 and (first.batches, second.batches) == (10, 10)
+    assert second.hits == stats.cache.items_cached == 96 and second.misses == 0
+    assert first.stall_s > 0 and first.time_s >= first.stall_s
+    assert stats.total.samples == partial.samples + 192 and stats.total.hits == sum(e.hits for e in stats.epochs)
+    as_dict = stats.as_dict()
+    assert as_dict["epochs"][2]["hit_rate"] == 1.0 and as_dict["cache"]["fill_fraction"] == 1.0
+    del it
+
+
+def _resident_bytes(path) -> int:
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+def test_misses_do_not_fill_the_page_cache(tmp_path):
+    path = tmp_path / "sample.bin"
+    if subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip() \
+            == "tmpfs":  # tmpfs pages cannot be dropped: use a disk-backed folder
+        path = os.path.join("/var/tmp", f"coordl-fadvise-{os.getpid()}.bin")
+    try:
+        with open(path, "wb") as f:
+            f.write(os.urandom(4 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        assert FileStorage(drop_page_cache=False).read(str(path))
+        assert _resident_bytes(path) > 0
+        assert len(FileStorage(drop_page_cache=True).read(str(path))) == 4 << 20
+        assert _resident_bytes(path) == 0
+    finally:
+        os.remove(path)
