@@ -110,8 +110,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._last_pass = None  # weakref to torch's iterator of the latest pass
         self._last_cache_stats = None
         super().__init__(
-            self._wrap(dataset, capacity, num_workers), batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            self._wrap(dataset, capacity, num_workers), batch_size, shuffle, sampler, batch_sampler, num_workers,
+            collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order)
 
@@ -148,7 +148,7 @@ class DataLoader(torch.utils.data.DataLoader):
         scope = self.cache_name or digest.hex()
         token = hashlib.sha256(f"{os.getuid()}\0{scope}".encode()).hexdigest()[:12]
         root = getattr(source, "dataset", source)
-        where = getattr(root, "root", None) or os.path.dirname(source.raw_key(0)) if len(source) else "empty"
+        where = getattr(root, "root", None) or os.path.dirname(source.raw_key(0))  # not empty: capacity > 0
         label = f"{self.cache_name or getpass.getuser()}: {len(source)} files in {where}"
         cache = MinIOCache(cache_segment_name(token), n_items=len(source), capacity_bytes=capacity,
                            fingerprint=digest, label=label)

@@ -74,12 +74,14 @@ def iterate_slowly_forever(root: str, cache_bytes: int, num_workers: int, progre
             time.sleep(0.05)
 
 
-def hammer_puts(name: str, n_items: int, item_bytes: int, capacity: int, seed: int, started):
-    """Insert every item (content derived from its index) in a random order, forever, until killed."""
+def hammer_puts(name: str, n_items: int, item_bytes: int, capacity: int, seed: int, started, go):
+    """Once ``go`` is set, insert every item (content derived from its index) in a random order,
+    forever, until killed."""
     from coordl.minio_cache import MinIOCache
     cache = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32), label="test")
     cache.stats()
     started.set()
+    go.wait(JOIN_TIMEOUT)
     rng = random.Random(seed)
     while True:
         for i in rng.sample(range(n_items), n_items):

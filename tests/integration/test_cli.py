@@ -46,3 +46,15 @@ def test_ls_and_rm(tmp_path):
         assert live.get(0) == b"x" * 100  # a forcibly removed cache keeps serving its users
     finally:
         live.close()
+
+
+def test_demo_runs_and_shows_both_systems(tmp_path):
+    done = _coordl("demo", "--images", "40", "--epochs", "2", "--workers", "0", "--batch-size", "8",
+                   "--dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() 
+            if line.startswith(("torch ", "coordl ")) and line.split()[1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("torch", "1"), ("torch", "2"), ("coordl", "1"), ("coordl", "2")]
+    coordl_1, coordl_2 = rows[2], rows[3]
+    assert (coordl_1[4], coordl_1[5]) == ("0", "40")  # epoch 1: every sample a miss
+    assert 0 < int(coordl_2[4]) < 40 and int(coordl_2[4]) + int(coordl_2[5]) == 40  # half cached

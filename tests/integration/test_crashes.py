@@ -93,27 +93,30 @@ def test_writers_killed_mid_insert_leave_every_cached_item_intact():
         name = cache_segment_name(secrets.token_hex(6))
         survivor = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32),
                               label="test")
-        survivor.stats()
-        events = [ctx.Event() for _ in range(2)]
-        writers = [_procs.spawn(_procs.hammer_puts, name, n_items, item_bytes, capacity,
-                                10 * round_ + k, ev) for k, ev in enumerate(events)]
-        assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in events)
-        time.sleep(rng.uniform(0.005, 0.03))
-        for w in writers:
-            os.kill(w.pid, signal.SIGKILL)
-        for w in writers:
-            w.join(10)
-        status = survivor._views.status
-        interrupted += int((status < 0).sum())  # slots a dead writer left mid-insert
-        assert 0 < int((status == 1).sum()) < n_items
-        for i in range(n_items):
-            got = survivor.get(i)
-            assert got is None or got == _procs.item_payload(i, item_bytes), f"item {i} corrupt"
-        for i in range(n_items):  # every slot, abandoned ones included, can still be filled and read
-            survivor.put(i, _procs.item_payload(i, item_bytes))
-            assert survivor.get(i) == _procs.item_payload(i, item_bytes)
-        assert survivor.stats().items_cached == n_items
-        survivor.close()
+        try:
+            survivor.stats()
+            events, go = [ctx.Event() for _ in range(2)], ctx.Event()
+            writers = [_procs.spawn(_procs.hammer_puts, name, n_items, item_bytes, capacity,
+                                    10 * round_ + k, ev, go) for k, ev in enumerate(events)]
+            assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in events)
+            go.set()  # both writers start together, so both are mid-fill when killed
+            time.sleep(rng.uniform(0.005, 0.03))
+            for w in writers:
+                os.kill(w.pid, signal.SIGKILL)
+            for w in writers:
+                w.join(10)
+            status = survivor._views.status
+            interrupted += int((status < 0).sum())  # slots a dead writer left mid-insert
+            assert 0 < int((status == 1).sum()) < n_items
+            for i in range(n_items):
+                got = survivor.get(i)
+                assert got is None or got == _procs.item_payload(i, item_bytes), f"item {i} corrupt"
+            for i in range(n_items):  # every slot, abandoned ones included, can still be filled and read
+                survivor.put(i, _procs.item_payload(i, item_bytes))
+                assert survivor.get(i) == _procs.item_payload(i, item_bytes)
+            assert survivor.stats().items_cached == n_items
+        finally:
+            survivor.close()
     assert interrupted > 0, "no writer was killed mid-insert: the test did not exercise recovery"
 
 
