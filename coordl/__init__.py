@@ -1,6 +1,8 @@
 """coordl: a drop-in ``torch.utils.data.DataLoader`` that removes data stalls."""
 
-from coordl.exceptions import CacheMismatchError, CoordlError, SampleError, ShmCapacityError
+from coordl.coord_prep import GroupStats
+from coordl.exceptions import CacheMismatchError, CoordlError, GroupMismatchError, SampleError, ShmCapacityError, \
+    StagingError
 from coordl.loader import DataLoader
 from coordl.minio_cache import CacheStats, MinIOCache
 from coordl.raw_datasets import FileDataset, RawBytesDataset
@@ -15,10 +17,13 @@ __all__ = [
     "DataLoader",
     "EpochStats",
     "FileDataset",
+    "GroupMismatchError",
+    "GroupStats",
     "LoaderStats",
     "MinIOCache",
     "RawBytesDataset",
     "SampleError",
     "ShmCapacityError",
+    "StagingError",
 ]
 assert __all__ == sorted(__all__)

@@ -20,3 +20,28 @@ AUTO_CACHE_SHM_FRACTION = 0.9
 
 LOG_LEVEL_ENV = "COORDL_LOG_LEVEL"
 """Environment variable that turns on coordl's log output, e.g. ``COORDL_LOG_LEVEL=INFO``."""
+
+GROUP_KIND = "group"
+"""Kind suffix of hyperparameter-search group segments (``cdl_<token>_group``)."""
+
+STAGED_KIND_PREFIX = "s"
+"""Staged batches live in ``cdl_<token>_s<seq>``, one segment per batch, beside their group's."""
+
+MAX_GROUP_MEMBERS = 32
+"""Jobs that may belong to one hp_group at once."""
+
+STAGING_SLOTS = 64
+"""Batches that may be staged at once in one group (also bounded by the staging bytes)."""
+
+AUTO_STAGING_BYTES = 4 * 2**30
+"""``hp_staging_bytes="auto"`` takes at most this many bytes..."""
+
+AUTO_STAGING_FRACTION = 0.25
+"""...and at most this share of free /dev/shm and of available memory."""
+
+DEFAULT_GROUP_TIMEOUT_S = 60.0
+"""``hp_group_timeout_s`` default: the wait for ``hp_group_size`` members, for a member between epochs,
+and before warning about a live producer that publishes nothing."""
+
+LIVENESS_POLL_S = 1.0
+"""How often a member waiting on another checks that it is still alive."""

@@ -34,6 +34,22 @@ def list_segments(kind: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(segment_path(f"{SHM_PREFIX}*_{kind}")))
 
 
+def unlink_segment(name: str) -> None:
+    """Remove segment ``name`` if it exists; processes mapping it keep their mapping."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(segment_path(name))
+
+
+def unlink_segments(prefix: str) -> int:
+    """Remove every segment whose name starts with ``prefix``; return how many were removed."""
+    removed = 0
+    for path in glob.glob(segment_path(glob.escape(prefix) + "*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed += 1
+    return removed
+
+
 class Segment:
     """A file in /dev/shm mapped read-write and shared, with an exclusive flock for writers.
 

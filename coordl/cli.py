@@ -1,9 +1,9 @@
-"""The ``coordl`` command: ``coordl demo``, ``coordl cache ls``, ``coordl cache rm``."""
+"""The ``coordl`` command: ``coordl demo``, ``coordl cache ls|rm``, ``coordl group ls|rm``."""
 
 import argparse
 import sys
 
-from coordl import minio_cache
+from coordl import coord_prep, minio_cache
 from coordl._sizes import format_bytes
 
 
@@ -44,6 +44,46 @@ def _cache_rm(args) -> int:
     return status
 
 
+def _group_ls(args) -> int:
+    groups = coord_prep.list_groups()
+    if not groups:
+        print("no coordl hp_groups in /dev/shm")
+        return 0
+    for g in groups:
+        state = "stale" if g.members_alive == 0 else f"{g.members_alive} member(s)"
+        print(f"{g.name}  group {g.label!r}: epoch {g.epoch}, {g.n_batches} batches per epoch, {state}; staging "
+              f"{g.staged_batches} batch(es), {format_bytes(g.staged_bytes)} of {format_bytes(g.capacity_bytes)} "
+              f"(peak {format_bytes(g.peak_staged_bytes)})")
+        for m in g.members:
+            where = f"in epoch {m.epoch} at batch {m.cursor}" if m.epoch else "not in an epoch yet"
+            waiting = f", waiting for epoch {m.waiting_for}" if m.waiting_for else ""
+            print(f"    pid {m.pid:<8}{'alive' if m.alive else 'dead':<7}{where}{waiting}; prepared {m.prepared}, "
+                  f"taken from others {m.shared}, epochs done {m.epochs_done}")
+    return 0
+
+
+def _group_rm(args) -> int:
+    if not args.names and not args.stale:
+        print("name the groups to remove (see `coordl group ls`), or pass --stale", file=sys.stderr)
+        return 2
+    groups = {g.name: g for g in coord_prep.list_groups()}
+    targets = list(args.names) or [n for n, g in groups.items() if g.members_alive == 0]
+    status = 0
+    for name in targets:
+        group = groups.get(name)
+        if group is None:
+            print(f"{name}: no such group", file=sys.stderr)
+            status = 1
+        elif group.members_alive and not args.force:
+            print(f"{name}: {group.members_alive} member(s) alive; pass --force to remove it anyway", file=sys.stderr)
+            status = 1
+        elif args.dry_run:
+            print(f"would remove {name} (group {group.label!r}, {group.staged_batches} staged batch(es))")
+        elif coord_prep.remove_group(name, force=args.force):
+            print(f"removed {name} (group {group.label!r}, {group.staged_batches} staged batch(es))")
+    return status
+
+
 def _demo(args) -> int:
     from coordl.demo import run_demo
     run_demo(images=args.images, epochs=args.epochs, cache_fraction=args.cache_fraction, workers=args.workers,
@@ -73,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--force", action="store_true", help="also remove caches still in use")
     rm.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     rm.set_defaults(func=_cache_rm)
+
+    group = sub.add_parser("group", help="inspect and remove hp_groups (coordinated prep) in /dev/shm").add_subparsers(
+        dest="group_command", required=True)
+    group.add_parser("ls", help="list groups, their members, epochs and staging memory").set_defaults(
+        func=_group_ls)
+    grm = group.add_parser("rm", help="remove groups and their staged batches")
+    grm.add_argument("names", nargs="*", help="groups to remove (as `coordl group ls` names them)")
+    grm.add_argument("--stale", action="store_true", help="remove every group whose members are all gone")
+    grm.add_argument("--force", action="store_true", help="also remove groups with live members")
+    grm.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    grm.set_defaults(func=_group_rm)
     return parser
 
 

@@ -15,3 +15,11 @@ class CacheMismatchError(CoordlError, RuntimeError):
 
 class SampleError(CoordlError, OSError):
     """A sample's file is missing, unreadable or cannot be decoded; the message names it."""
+
+
+class GroupMismatchError(CoordlError, ValueError):
+    """A job's data settings differ from those of the live hp_group it asks to join."""
+
+
+class StagingError(CoordlError, RuntimeError):
+    """A staged batch is missing or does not hold what its group's table says."""

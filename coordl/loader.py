@@ -9,6 +9,8 @@ This module only composes the stages and keeps the books; it holds no algorithm.
 import getpass
 import hashlib
 import logging
+import functools
+import math
 import os
 import time
 import warnings
@@ -17,12 +19,16 @@ import weakref
 import torch.utils.data
 from tqdm.auto import tqdm
 
-from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_FRACTION
+from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_FRACTION, DEFAULT_GROUP_TIMEOUT_S
+from coordl._group_config import auto_staging_bytes, check_group_compatible, check_group_options, group_settings
 from coordl._logging import configure_from_env
 from coordl._shm import free_shm_bytes
 from coordl._sizes import format_bytes, parse_bytes
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset, SampleCounters
+from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
+from coordl.coord_prep import HPGroup, epoch_plan
+from coordl.exceptions import GroupMismatchError
 from coordl.minio_cache import MinIOCache, cache_segment_name
 from coordl.raw_datasets import fingerprint_files, raw_source
 from coordl.stats import EpochStats, LoaderStats, add_epoch
@@ -83,6 +89,22 @@ class DataLoader(torch.utils.data.DataLoader):
         drop_page_cache: after reading a miss from storage, drop its pages from the OS page cache
             so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
         progress: show a tqdm progress bar per epoch. Defaults to False.
+        hp_group: name of a hyperparameter-search group to coordinate prep with: jobs on this machine
+            that pass the same name share one epoch plan, each prepares only its share of the
+            minibatches, and every job gets every minibatch (the same augmented batches in every job).
+            Needs shuffle=True/False (no custom sampler). Defaults to None (off).
+        hp_group_size: jobs the group's first epoch waits for (up to ``hp_group_timeout_s``), so
+            that jobs started together are coordinated from their first batch. Defaults to None.
+        hp_staging_bytes: capacity of the group's staging area in /dev/shm, set by the group's first
+            job. ``"auto"`` takes the least of 4 GiB, 25% of free /dev/shm and 25% of available memory.
+            Defaults to ``"auto"``.
+        hp_group_timeout_s: how long the first epoch waits for ``hp_group_size`` jobs, how long an
+            epoch waits for a job that finished the previous one (it joins the next epoch if late),
+            and after how long waiting on a live job is logged. Dead jobs are detected within a
+            second. Defaults to 60.
+        hp_group_on_mismatch: ``"raise"`` refuses to join a group whose jobs use other data
+            settings (`GroupMismatchError` names them); ``"uncoordinated"`` warns and loads on its own.
+            Defaults to ``"raise"``.
 
     Example::
 
@@ -96,9 +118,15 @@ class DataLoader(torch.utils.data.DataLoader):
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
                  pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, drop_page_cache=None,
-                 progress=False):
+                 progress=False, hp_group=None, hp_group_size=None, hp_staging_bytes="auto",
+                 hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S, hp_group_on_mismatch="raise"):
         configure_from_env()
         capacity = parse_cache_bytes(cache_bytes)
+        staging_bytes = None
+        if hp_group is not None:
+            staging_bytes = check_group_options(hp_group, hp_group_size, hp_staging_bytes, hp_group_timeout_s,
+                                                hp_group_on_mismatch)
+            check_group_compatible(dataset, sampler, batch_sampler, batch_size, in_order)
         if cache_name is not None and (not isinstance(cache_name, str) or not cache_name):
             raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
         self.cache_bytes = cache_bytes
@@ -109,11 +137,16 @@ class DataLoader(torch.utils.data.DataLoader):
         self._current: tuple | None = None  # (epoch, its counters, their totals at its start, start time)
         self._last_pass = None  # weakref to torch's iterator of the latest pass
         self._last_cache_stats = None
+        self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
+        self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
+        self._group = self._share = self._coordinated = self._last_group_stats = None
         super().__init__(
             self._wrap(dataset, capacity, num_workers), batch_size, shuffle, sampler, batch_sampler, num_workers,
             collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order)
+        if hp_group is not None:
+            self._group = self._join_group(staging_bytes)
 
     def _wrap(self, dataset, capacity: int | None, num_workers: int):
         """The dataset torch will see: the user's dataset behind coordl's fetch path."""
@@ -155,16 +188,75 @@ class DataLoader(torch.utils.data.DataLoader):
         cache.stats()  # attach now: fail early on a full /dev/shm, and keep the cache alive for workers
         return cache
 
+    def _join_group(self, staging_bytes: int | None) -> HPGroup | None:
+        """Join hp_group (see coord_prep); None if it runs other settings and the user accepts that."""
+        n_items = len(self.dataset)
+        n_batches = n_items // self.batch_size if self.drop_last else math.ceil(n_items / self.batch_size)
+        seed = self.generator.initial_seed() & (2**63 - 1) if self.generator is not None else None
+        config = group_settings(self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
+                                shuffle=self._share_shuffled(),
+                                seed=seed, collate_fn=self.collate_fn)
+        group = HPGroup(self.hp_group, config=config, n_batches=n_batches, seed=seed,
+                        staging_bytes=staging_bytes or auto_staging_bytes(), expected_members=self.hp_group_size,
+                        timeout_s=float(self.hp_group_timeout_s))
+        try:
+            group.join()
+        except GroupMismatchError as e:
+            if self.hp_group_on_mismatch == "raise":
+                raise
+            warnings.warn(f"{e} Running uncoordinated, as hp_group_on_mismatch='uncoordinated' asks.", stacklevel=3)
+            return None
+        self._share = _ShareSampler()
+        return group
+
+    @property
+    def _index_sampler(self):
+        """What torch's iterator draws batches from: in an hp_group, this job's share of the epoch."""
+        share = self.__dict__.get("_share")
+        return share if share is not None else super()._index_sampler
+
+    def __len__(self) -> int:
+        if self.__dict__.get("_group") is not None:
+            return self._group.n_batches
+        return super().__len__()
+
     # -- iteration and bookkeeping ---------------------------------------------------------
 
     def __iter__(self):
         self._end_epoch(complete=False)  # the previous pass was abandoned midway
-        epoch = EpochStats(epoch=len(self._epochs) + 1)
+        self._stop_coordinated()
+        epoch = EpochStats(epoch=len(self._epochs) + 1, group=self.hp_group if self._group is not None else None)
         counters = self._pass_counters()
-        self._current = (epoch, counters, counters.totals() if counters else {}, time.perf_counter())
-        inner = super().__iter__()
-        self._last_pass = weakref.ref(inner)
-        return _EpochIterator(self, inner, epoch, counters)
+        started = time.perf_counter()
+        group_counters = GroupCounters() if self._group is not None else None
+        self._current = (epoch, counters, counters.totals() if counters else {}, started, group_counters)
+        if self._group is None:
+            inner = super().__iter__()
+            self._last_pass = weakref.ref(inner)
+            return _EpochIterator(self, inner, epoch, counters)
+        ticket = self._group.start_epoch()
+        epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
+        group_counters.members = ticket.members
+        plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self._share_shuffled(),
+                          self._group.seed, ticket.epoch)
+        self._share.batches = [plan[b] for b in self._group.batches_of_mine()]
+        share = super().__iter__()
+        self._last_pass = weakref.ref(share)
+        coordinated = CoordinatedEpoch(self._group, ticket, plan, share,
+                                       functools.partial(_prepare_batch, self.dataset, self.collate_fn),
+                                       group_counters, pin_memory=self.pin_memory and torch.cuda.is_available())
+        self._coordinated = weakref.ref(coordinated)
+        return _EpochIterator(self, coordinated, epoch, counters)
+
+    def _share_shuffled(self) -> bool:
+        return isinstance(self.sampler, torch.utils.data.RandomSampler)
+
+    def _stop_coordinated(self) -> None:
+        """Stop the latest group epoch's producer (leaving the epoch if it was abandoned midway)."""
+        coordinated = self._coordinated() if self._coordinated is not None else None
+        if coordinated is not None:
+            coordinated.close()
+        self._coordinated = None
 
     def _pass_counters(self) -> SampleCounters | None:
         """The counters the coming pass's fetches land in.
@@ -182,17 +274,22 @@ class DataLoader(torch.utils.data.DataLoader):
         return dataset.counters
 
     @staticmethod
-    def _fill_counts(epoch: EpochStats, counters: SampleCounters | None, start: dict) -> None:
+    def _fill_counts(epoch: EpochStats, counters: SampleCounters | None, start: dict,
+                     group: GroupCounters | None) -> None:
         if counters is not None:
             for field, value in counters.totals().items():
                 setattr(epoch, field, value - start[field])
+        epoch.decoded = epoch.samples
+        if group is not None:
+            epoch.members, epoch.samples = group.members, group.delivered_samples
+            epoch.prepared, epoch.shared, epoch.staging_wait_s = group.prepared, group.shared, group.staging_wait_s
 
     def _end_epoch(self, complete: bool) -> None:
         if self._current is None:
             return
-        epoch, counters, start, started = self._current
+        epoch, counters, start, started, group = self._current
         self._current = None
-        self._fill_counts(epoch, counters, start)
+        self._fill_counts(epoch, counters, start, group)
         epoch.complete = complete
         epoch.time_s = time.perf_counter() - started
         self._epochs.append(epoch)
@@ -205,25 +302,34 @@ class DataLoader(torch.utils.data.DataLoader):
             self._last_cache_stats = cache.stats()
         return self._last_cache_stats
 
+    def _group_stats(self):
+        """The group's state now, or as it was at close()."""
+        if self._group is not None and self._group.joined:
+            self._last_group_stats = self._group.stats()
+        return self._last_group_stats
+
     def stats(self) -> LoaderStats:
-        """Counters of every finished epoch (and the one in progress), their total, the cache's fill."""
+        """Counters of every finished epoch (and the one in progress), their total, the cache's fill and,
+        in an hp_group, the group's state and staging memory."""
         epochs = list(self._epochs)
         if self._current is not None:
-            running, counters, start, started = self._current
+            running, counters, start, started, group = self._current
             running = EpochStats(**{**running.__dict__, "time_s": time.perf_counter() - started})
-            self._fill_counts(running, counters, start)
+            self._fill_counts(running, counters, start, group)
             epochs.append(running)
-        total = EpochStats(epoch=0, complete=all(e.complete for e in epochs))
+        total = EpochStats(epoch=0, complete=all(e.complete for e in epochs),
+                           group=self.hp_group if self._group is not None else None)
         for e in epochs:
             add_epoch(total, e)
-        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats())
+        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats(), group=self._group_stats())
 
     def close(self) -> None:
-        """Stop this loader's workers and release this process's use of the cache. Idempotent.
+        """Stop this loader's workers, leave its hp_group and release its use of the cache. Idempotent.
 
-        The last process using a cache removes it from /dev/shm. Iterating again re-attaches.
+        The last process using a cache (or group) removes it from /dev/shm. Iterating again re-attaches.
         """
         self._end_epoch(complete=False)
+        self._stop_coordinated()
         latest = self._last_pass() if self._last_pass is not None else None
         for iterator in {id(it): it for it in (self._iterator, latest) if it is not None}.values():
             if hasattr(iterator, "_shutdown_workers"):
@@ -233,12 +339,34 @@ class DataLoader(torch.utils.data.DataLoader):
         cache = getattr(self.dataset, "cache", None)
         if cache is not None:
             cache.close()
+        if self._group is not None:
+            self._group_stats()
+            self._group.close()
 
     def __enter__(self) -> "DataLoader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _ShareSampler:
+    """torch's batch sampler in an hp_group: this job's share of the current epoch's batches."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+
+    def __iter__(self):
+        return iter(list(self.batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _prepare_batch(dataset, collate_fn, indices: list[int]):
+    """One batch made in this process, as torch's fetcher makes it in a worker."""
+    getitems = getattr(dataset, "__getitems__", None)
+    return collate_fn(getitems(indices) if getitems else [dataset[i] for i in indices])
 
 
 class _EpochIterator:

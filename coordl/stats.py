@@ -2,12 +2,18 @@
 
 import dataclasses
 
+from coordl.coord_prep import GroupStats
 from coordl.minio_cache import CacheStats
 
 
 @dataclasses.dataclass
 class EpochStats:
-    """What one epoch (one pass of ``iter(loader)``) did. Epoch 0 in :attr:`LoaderStats.total`."""
+    """What one epoch (one pass of ``iter(loader)``) did. Epoch 0 in :attr:`LoaderStats.total`.
+
+    ``samples`` counts the samples delivered to the training loop and ``decoded`` those this job's
+    workers prepared; they differ only in an hp_group, where ``prepared`` batches were made by this
+    job and ``shared`` ones taken from other members (``staging_wait_s`` waiting for those).
+    """
 
     epoch: int
     complete: bool = False
@@ -19,6 +25,12 @@ class EpochStats:
     storage_bytes: int = 0
     stall_s: float = 0.0
     time_s: float = 0.0
+    decoded: int = 0
+    group: str | None = None
+    members: int = 0
+    prepared: int = 0
+    shared: int = 0
+    staging_wait_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -32,19 +44,25 @@ class EpochStats:
     def summary_line(self, cache: CacheStats | None) -> str:
         """``key=value`` line logged at the end of each epoch."""
         fill = f"{cache.fill_fraction:.3f}" if cache is not None else "off"
-        return (f"epoch={self.epoch} complete={int(self.complete)} samples={self.samples} batches={self.batches} "
+        line = (f"epoch={self.epoch} complete={int(self.complete)} samples={self.samples} batches={self.batches} "
                 f"hits={self.hits} misses={self.misses} cache_bytes={self.cache_bytes} "
                 f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
                 f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill}")
+        if self.group is not None:
+            line += (f" group={self.group} members={self.members} prepared={self.prepared} shared={self.shared} "
+                     f"decoded={self.decoded} staging_wait_s={self.staging_wait_s:.3f}")
+        return line
 
 
 @dataclasses.dataclass
 class LoaderStats:
-    """Returned by ``loader.stats()``: every epoch so far, their total, and the cache's fill state."""
+    """Returned by ``loader.stats()``: every epoch so far, their total, the cache's fill state and the
+    hp_group's state (staging memory included)."""
 
     epochs: list[EpochStats]
     total: EpochStats
     cache: CacheStats | None
+    group: GroupStats | None = None
 
     def as_dict(self) -> dict:
         """Plain dict (JSON-serialisable), derived rates included."""
@@ -52,10 +70,13 @@ class LoaderStats:
             return {**dataclasses.asdict(e), "samples_per_s": e.samples_per_s, "hit_rate": e.hit_rate}
         cache = None if self.cache is None else {**dataclasses.asdict(self.cache),
                                                  "fill_fraction": self.cache.fill_fraction}
-        return {"epochs": [epoch_dict(e) for e in self.epochs], "total": epoch_dict(self.total), "cache": cache}
+        group = None if self.group is None else dataclasses.asdict(self.group)
+        return {"epochs": [epoch_dict(e) for e in self.epochs], "total": epoch_dict(self.total), "cache": cache,
+                "group": group}
 
 
 def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total``."""
-    for field in ("samples", "batches", "hits", "misses", "cache_bytes", "storage_bytes", "stall_s", "time_s"):
+    for field in ("samples", "batches", "hits", "misses", "cache_bytes", "storage_bytes", "stall_s", "time_s",
+                  "decoded", "prepared", "shared", "staging_wait_s"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))

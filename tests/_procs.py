@@ -119,5 +119,105 @@ def hold_lock_then_die(name: str, n_items: int, capacity: int, locked_event):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class IndexFiles:
+    """A RawBytesDataset of tiny files that hold their own index (so a test knows which sample it got).
+
+    A sample is ``(index, draw, payload)``: ``draw`` is a random "augmentation" drawn at decode time, so
+    batches prepared twice differ; ``payload`` (``payload_floats`` zeros) gives batches a size.
+    ``decode_delay_s`` makes preparation slow.
+    """
+
+    def __init__(self, root: str, n: int, transform=None, payload_floats: int = 16, decode_delay_s: float = 0.0):
+        self.files = [os.path.join(root, f"{i:05d}.bin") for i in range(n)]
+        self.transform, self.payload_floats, self.decode_delay_s = transform, payload_floats, decode_delay_s
+
+    @staticmethod
+    def write(root: str, n: int) -> None:
+        os.makedirs(root, exist_ok=True)
+        for i in range(n):
+            with open(os.path.join(root, f"{i:05d}.bin"), "wb") as f:
+                f.write(i.to_bytes(4, "little"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def raw_key(self, index: int) -> str:
+        return self.files[index]
+
+    def decode_raw(self, index: int, raw: bytes):
+        import torch
+        if self.decode_delay_s:
+            time.sleep(self.decode_delay_s)
+        draw = torch.rand(())
+        if self.transform is not None:
+            draw = self.transform(draw)
+        return torch.tensor(int.from_bytes(raw, "little")), draw, torch.zeros(self.payload_floats)
+
+    def __getitem__(self, index: int):
+        with open(self.files[index], "rb") as f:
+            return self.decode_raw(index, f.read())
+
+
+class Scale:
+    """A picklable transform with a meaningful repr."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __call__(self, x):
+        return x * self.factor
+
+    def __repr__(self) -> str:
+        return f"Scale({self.factor})"
+
+
+def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, start=None, progress=None):
+    """A training job in hp_group ``group``: after ``start`` (if any) runs ``epochs`` epochs and puts
+    ``(pid, [(epoch, [(indices, draws) per batch]) ...], stats dict)`` on ``results``; sets ``progress``
+    (if any) after its first batch.
+
+    ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per
+    batch: a slow training step), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
+    ``kill_epoch``, default 1), anything else goes to ``coordl.DataLoader``.
+    """
+    _debuggable()
+    os.setsid()  # its own process group: a test can kill it with its workers
+    import coordl
+    options = dict(options)
+    dataset = IndexFiles(root, n, transform=options.pop("transform", None),
+                         payload_floats=options.pop("payload_floats", 16),
+                         decode_delay_s=options.pop("decode_delay_s", 0.0))
+    step_s, kill_after = options.pop("step_s", 0.0), options.pop("kill_self_after", 0)
+    kill_epoch = options.pop("kill_epoch", 1)
+    if start is not None:
+        start.wait(JOIN_TIMEOUT)
+    loader = coordl.DataLoader(dataset, hp_group=group, **{"batch_size": 4, "shuffle": True, **options})
+    seen = []
+    for epoch in range(1, epochs + 1):
+        batches = []
+        for k, (index, draw, _) in enumerate(loader):
+            batches.append((index.tolist(), draw.tolist()))
+            if progress is not None:
+                progress.set()
+            if step_s:
+                time.sleep(step_s)
+            if kill_after and epoch == kill_epoch and k + 1 == kill_after:
+                os.killpg(os.getpid(), signal.SIGKILL)
+        seen.append((loader.stats().epochs[-1].epoch, batches))
+    stats = loader.stats().as_dict()
+    loader.close()
+    results.put((os.getpid(), seen, stats))
+
+
+def join_group_then_die(group: str, joined):
+    """Join hp_group ``group``, start its first epoch, then die by SIGKILL (leaving a stale group)."""
+    from coordl.coord_prep import HPGroup
+    member = HPGroup(group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
+    member.join()
+    member.start_epoch()
+    joined.set()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
     sys.exit("not a script")

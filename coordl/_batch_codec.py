@@ -1,0 +1,118 @@
+"""Collated minibatches to and from the bytes of a staging segment.
+
+A staged batch is what ``collate_fn`` returned: tensors (or numpy arrays, numbers, strings, None) in
+nested tuples, lists and dicts. Its segment holds, in order: four int64 (magic, epoch, batch id, length
+of the description), a JSON description of the structure (dtype, shape and offset of each tensor, the
+values of scalars; tensor offsets count from the end of the description, 64-byte aligned), then each
+tensor's raw bytes. No pickled objects.
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import torch
+
+from coordl.exceptions import StagingError
+
+_MAGIC = int.from_bytes(b"CDLBATCH", "little")
+_PREFIX_BYTES = 32
+_ALIGN = 64
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A batch ready to be written: its description and its tensors at their offsets."""
+
+    meta: bytes
+    tensors: list[tuple[int, torch.Tensor]]
+    nbytes: int
+
+
+def encode(batch) -> Encoded:
+    """Describe ``batch`` and lay out its tensors; copies nothing.
+
+    Raises:
+        TypeError: ``batch`` holds something other than tensors, numpy arrays, scalars, strings or None
+            in tuples, lists and dicts (with str or int keys), or a tensor not on the CPU.
+    """
+    tensors: list[tuple[int, torch.Tensor]] = []
+    size = 0
+
+    def walk(x):
+        nonlocal size
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            kind = "ndarray" if isinstance(x, np.ndarray) else "tensor"
+            t = torch.from_numpy(np.ascontiguousarray(x)) if kind == "ndarray" else x.detach()
+            if t.device.type != "cpu":
+                raise TypeError(f"hp_group stages CPU tensors, but collate_fn returned one on {t.device}")
+            t = t.contiguous()
+            tensors.append((size, t))
+            node = {"t": kind, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "at": size}
+            size += _aligned(t.numel() * t.element_size())
+            return node
+        if type(x) in (tuple, list):
+            return {"t": type(x).__name__, "items": [walk(v) for v in x]}
+        if type(x) is dict and all(type(k) in (str, int) for k in x):
+            return {"t": "dict", "keys": list(x), "items": [walk(v) for v in x.values()]}
+        if type(x) in _SCALARS:
+            return {"t": "value", "v": x}
+        raise TypeError(f"hp_group stages tensors, numpy arrays, numbers and strings in (nested) tuples, lists "
+                        f"and dicts, but collate_fn returned a {type(x).__qualname__}. Make collate_fn return "
+                        f"those (or run without hp_group=).")
+
+    meta = json.dumps(walk(batch)).encode()
+    data_at = _aligned(_PREFIX_BYTES + len(meta))
+    return Encoded(meta, [(data_at + at, t) for at, t in tensors], data_at + size)
+
+
+def write(encoded: Encoded, buf, epoch: int, batch: int) -> None:
+    """Copy ``encoded`` into ``buf`` (a writable buffer of at least ``encoded.nbytes``)."""
+    np.ndarray((4,), np.int64, buf, 0)[:] = (_MAGIC, epoch, batch, len(encoded.meta))
+    buf[_PREFIX_BYTES:_PREFIX_BYTES + len(encoded.meta)] = encoded.meta
+    for at, t in encoded.tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=at)
+            dst.copy_(t.reshape(-1).view(torch.uint8))
+            del dst  # releases the buffer export before the caller unmaps
+
+
+def read(buf, epoch: int, batch: int, pin_memory: bool = False):
+    """The batch staged in ``buf``, copied into fresh tensors (pinned if asked).
+
+    Raises:
+        StagingError: ``buf`` does not hold batch ``batch`` of epoch ``epoch``.
+    """
+    magic, got_epoch, got_batch, meta_len = (int(v) for v in np.ndarray((4,), np.int64, buf, 0))
+    if magic != _MAGIC:
+        raise StagingError(f"staged segment for batch {batch} of epoch {epoch} holds no staged batch")
+    if (got_epoch, got_batch) != (epoch, batch):
+        raise StagingError(f"staged segment holds batch {got_batch} of epoch {got_epoch}, expected batch {batch} "
+                           f"of epoch {epoch}")
+
+    def build(node):
+        kind = node["t"]
+        if kind in ("tensor", "ndarray"):
+            out = torch.empty(node["shape"], dtype=getattr(torch, node["dtype"]), pin_memory=pin_memory)
+            n = out.numel() * out.element_size()
+            if n:
+                src = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=data_at + node["at"])
+                out.reshape(-1).view(torch.uint8).copy_(src)
+                del src
+            return out.numpy() if kind == "ndarray" else out
+        if kind == "tuple":
+            return tuple(build(v) for v in node["items"])
+        if kind == "list":
+            return [build(v) for v in node["items"]]
+        if kind == "dict":
+            return dict(zip(node["keys"], (build(v) for v in node["items"])))
+        return node["v"]
+
+    data_at = _aligned(_PREFIX_BYTES + meta_len)
+    return build(json.loads(bytes(buf[_PREFIX_BYTES:_PREFIX_BYTES + meta_len])))

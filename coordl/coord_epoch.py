@@ -1,0 +1,248 @@
+"""One epoch of an hp_group member: prepare this job's share, publish it, consume every batch in plan order.
+
+NOTE [ Producer and consumer ]
+A producer thread pulls this job's share from torch's iterator (the job's own DataLoader workers),
+publishes each batch into the group's staging area (one copy, into shared memory) and then hands it
+to this job's consumer without a copy. Batches taken over from a failed member are prepared in the
+producer thread itself. The consumer (the training loop's ``next()``) walks the plan in order: its
+own batches come from the producer, the others' are copied out of the staging area, which lets the
+slot be freed as soon as every member has its copy. A batch is handed over only once published, so
+no member runs ahead of the staging window.
+"""
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from coordl import _batch_codec
+from coordl._constants import LIVENESS_POLL_S
+from coordl.coord_prep import ALONE, NOT_MINE, EpochTicket, HPGroup
+
+logger = logging.getLogger(__name__)
+
+_MAX_POLL_S = 0.005
+_JOIN_S = 10.0
+
+
+@dataclasses.dataclass
+class GroupCounters:
+    """What this job did in one group epoch (read by the loader for its statistics)."""
+
+    members: int = 0
+    delivered_samples: int = 0
+    prepared: int = 0
+    shared: int = 0
+    staging_wait_s: float = 0.0
+
+
+class _Backoff:
+    """Sleeps that double from 0.25 ms up to ``_MAX_POLL_S`` until :meth:`reset`."""
+
+    def __init__(self):
+        self.delay = 0.00025
+
+    def reset(self) -> None:
+        self.delay = 0.00025
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, _MAX_POLL_S)
+
+
+class _Source:
+    """Batches this job prepares, in plan order: ``(batch id, batch)`` with at most one pulled ahead."""
+
+    def __init__(self, ids: list[int], batches: Iterator):
+        self.ids, self.batches, self.pending, self.done = iter(ids), batches, None, False
+
+    def fill(self) -> None:
+        if self.pending is None and not self.done:
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                self.done = True
+                return
+            self.pending = (next(self.ids), batch, None)
+
+
+class _Producer:
+    """The producer thread's loop and what it shares with the consumer (see NOTE [ Producer and consumer ])."""
+
+    def __init__(self, group: HPGroup, ticket: EpochTicket, share: Iterator, prepare: Callable[[list[int]], Any],
+                 plan: list[list[int]], counters: GroupCounters):
+        self.group, self.epoch, self.plan, self.prepare, self.counters = group, ticket.epoch, plan, prepare, counters
+        self.share_ids = group.batches_of_mine()
+        self.share = share
+        self.ready: dict[int, Any] = {}
+        self.cond = threading.Condition()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # handed to the consumer, which re-raises it in the training loop
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+        finally:
+            self.share = None  # lets torch's iterator (and its workers) go
+
+    def _loop(self) -> None:
+        sources = [_Source(self.share_ids, self.share)]
+        known, generation = set(self.share_ids), self.group.generation
+        backoff, last_check = _Backoff(), time.monotonic()
+        while not self.stop.is_set():
+            if self.group.generation != generation:
+                generation = self.group.generation
+                taken = [b for b in self.group.batches_of_mine() if b not in known]
+                if taken:
+                    known.update(taken)
+                    sources.append(_Source(taken, (self.prepare(self.plan[b]) for b in taken)))
+            for source in sources:
+                source.fill()
+            pending = sorted((s for s in sources if s.pending is not None), key=lambda s: s.pending[0])
+            if any(self._publish(s) for s in pending):
+                backoff.reset()
+                continue
+            if time.monotonic() - last_check > LIVENESS_POLL_S:
+                self.group.check_members()
+                last_check = time.monotonic()
+            backoff.sleep()
+
+    def _publish(self, source: _Source) -> bool:
+        """Stage ``source``'s pending batch if there is room; whether it is done with (published or dropped)."""
+        batch_id, batch, encoded = source.pending
+        if encoded is None:
+            encoded = _batch_codec.encode(batch)
+            source.pending = (batch_id, batch, encoded)
+        seq = self.group.reserve(self.epoch, batch_id, encoded.nbytes)
+        if seq is None:
+            return False
+        source.pending = None
+        if seq == NOT_MINE:
+            return True
+        if seq != ALONE:
+            segment = self.group.create_staged(seq, encoded.nbytes)
+            try:
+                _batch_codec.write(encoded, segment.buf, self.epoch, batch_id)
+            finally:
+                segment.close()
+            if not self.group.commit(self.epoch, batch_id, seq):
+                return True
+        with self.cond:
+            self.ready[batch_id] = batch
+            self.counters.prepared += 1
+            self.cond.notify_all()
+        return True
+
+
+def _stop(producer: _Producer, thread: threading.Thread, group: HPGroup, finished: list[bool]) -> None:
+    """Stop the producer and, unless the epoch was consumed to its end, leave it to the others."""
+    producer.stop.set()
+    if thread is not threading.current_thread():
+        thread.join(_JOIN_S)
+    if not finished[0]:
+        finished[0] = True
+        group.leave_epoch()
+
+
+class CoordinatedEpoch:
+    """Iterator over every minibatch of one group epoch, in the group's plan order.
+
+    Args:
+        group: this job's group membership.
+        ticket: the epoch, as :meth:`HPGroup.start_epoch` returned it.
+        plan: the epoch's batches (sample indices), the same in every member.
+        share: torch's iterator over this job's share (``group.batches_of_mine()``), in order.
+        prepare: makes one batch from sample indices in this process (for batches taken over).
+        counters: where this job's counts for the epoch go.
+        pin_memory: copy staged batches into pinned memory.
+
+    Lifecycle: starts a daemon producer thread. Reaching the end, :meth:`close`, an error, or garbage
+    collection stops it; an epoch left unfinished is handed to the other members.
+    """
+
+    def __init__(self, group: HPGroup, ticket: EpochTicket, plan: list[list[int]], share: Iterator,
+                 prepare: Callable[[list[int]], Any], counters: GroupCounters, pin_memory: bool = False):
+        self._group, self._ticket, self._plan, self._pin = group, ticket, plan, pin_memory
+        self._counters = counters
+        self._next = 0
+        self._producer = _Producer(group, ticket, share, prepare, plan, counters)
+        self._thread = threading.Thread(target=self._producer.run, name=f"coordl-hp-group-epoch-{ticket.epoch}",
+                                        daemon=True)
+        self._finished = [False]
+        self._close = weakref.finalize(self, _stop, self._producer, self._thread, group, self._finished)
+        self._thread.start()
+
+    def __iter__(self) -> "CoordinatedEpoch":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def close(self) -> None:
+        """Stop preparing; if the epoch is unfinished, leave it so the others take over. Idempotent."""
+        self._close()
+
+    def __next__(self):
+        i = self._next
+        if i >= len(self._plan) or not self._close.alive:  # the end, or an epoch this job left
+            self.close()
+            raise StopIteration
+        try:
+            batch = self._wait_for(i)
+        except BaseException:
+            self.close()
+            raise
+        self._next = i + 1
+        self._counters.delivered_samples += len(self._plan[i])
+        if self._next == len(self._plan):
+            self._finished[0] = True
+        self._group.advance(self._next)
+        if self._finished[0]:
+            self.close()
+        return batch
+
+    def _wait_for(self, i: int):
+        producer, backoff = self._producer, _Backoff()
+        started = last_check = time.monotonic()
+        warned = False
+        while True:
+            if producer.error is not None:
+                raise producer.error
+            if self._group.owner(i) == self._ticket.slot:
+                with producer.cond:
+                    if i in producer.ready:
+                        return producer.ready.pop(i)
+                    producer.cond.wait(_MAX_POLL_S)
+            else:
+                seq = self._group.staged(self._ticket.epoch, i)
+                if seq is not None:
+                    batch = self._copy_out(i, seq)
+                    self._counters.staging_wait_s += time.monotonic() - started
+                    return batch
+                backoff.sleep()
+            now = time.monotonic()
+            if now - last_check > LIVENESS_POLL_S:
+                self._group.check_members()
+                last_check = now
+            if not warned and now - started > self._group.timeout_s:
+                logger.warning("hp_group %r: waited %.0f s for batch %d of epoch %d (prepared by member slot %d); "
+                               "still waiting while that job is alive", self._group.group, now - started, i,
+                               self._ticket.epoch, self._group.owner(i))
+                warned = True
+
+    def _copy_out(self, i: int, seq: int):
+        segment = self._group.open_staged(seq)
+        try:
+            batch = _batch_codec.read(segment.buf, self._ticket.epoch, i, self._pin)
+        finally:
+            segment.close()
+        self._group.release(self._ticket.epoch, i, seq)
+        self._counters.shared += 1
+        return batch

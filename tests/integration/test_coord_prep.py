@@ -1,0 +1,247 @@
+"""Coordinated prep: independent jobs in one hp_group prepare each batch once and all see every batch."""
+
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import coordl
+from coordl import _batch_codec
+from coordl.coord_prep import HPGroup, group_segment_name, list_groups
+from tests import _procs
+
+N = 60  # samples; batches of 4 -> 15 batches per epoch
+
+
+@pytest.fixture
+def index_root(tmp_path) -> str:
+    root = str(tmp_path / "index-files")
+    _procs.IndexFiles.write(root, N)
+    return root
+
+
+def _group() -> str:
+    return f"test-{secrets.token_hex(4)}"
+
+
+def _start_jobs(root, group, jobs, *, n=N):
+    """Spawn one independent job per ``(epochs, options)``; they start together.
+
+    Returns (procs, results, start): keep ``start`` alive until the jobs end (children unpickle it late).
+    """
+    ctx = mp.get_context("spawn")
+    results, start = ctx.Queue(), ctx.Event()
+    procs = [_procs.spawn(_procs.hp_job, root, n, group, epochs, results, options, start) for epochs, options in jobs]
+    start.set()
+    return procs, results, start
+
+
+def _collect(results, count: int) -> list[tuple]:
+    return [results.get(timeout=_procs.JOIN_TIMEOUT * 2) for _ in range(count)]
+
+
+def _samples(batches) -> list[int]:
+    return sorted(i for indices, _ in batches for i in indices)
+
+
+def _draws(batches) -> dict[int, float]:
+    return {i: d for indices, draws in batches for i, d in zip(indices, draws)}
+
+
+@pytest.mark.slow
+def test_three_jobs_prepare_each_batch_once_and_all_see_every_batch(index_root):
+    group = _group()
+    common = dict(hp_group_size=3, hp_group_timeout_s=30, cache_bytes="1MiB")
+    jobs = [(2, dict(common, num_workers=2, multiprocessing_context="fork")), (2, common), (2, common)]
+    procs, results, _start = _start_jobs(index_root, group, jobs)
+    runs = _collect(results, 3)
+    _procs.join_ok(*procs)
+
+    reference = runs[0][1]
+    for _, seen, stats in runs:
+        assert [epoch for epoch, _ in seen] == [1, 2]
+        for _, batches in seen:
+            assert _samples(batches) == list(range(N))  # every sample exactly once per epoch
+        assert seen == reference  # identical batches, augmentation included, in every job
+    (_, first), (_, second) = reference
+    assert [b[0] for b in first] != [b[0] for b in second]  # a new order next epoch
+    assert _draws(first) != _draws(second)  # and fresh augmentation
+    for e in range(2):
+        epochs = [stats["epochs"][e] for _, _, stats in runs]
+        assert sum(x["decoded"] for x in epochs) == N  # each sample prepared once on the machine
+        assert sum(x["prepared"] for x in epochs) == N // 4
+        for x in epochs:
+            assert x["members"] == 3 and x["samples"] == N and x["prepared"] + x["shared"] == N // 4
+    # Through the MinIO cache: each sample fetched once per epoch on the machine, from storage only once.
+    assert sum(stats["epochs"][0]["misses"] for _, _, stats in runs) == N
+    assert sum(stats["epochs"][1]["hits"] for _, _, stats in runs) == N
+    assert sum(stats["epochs"][1]["misses"] for _, _, stats in runs) == 0
+    assert not os.path.exists(f"/dev/shm/{group_segment_name(group)}")
+
+
+@pytest.mark.slow
+def test_staging_memory_stays_bounded_when_one_job_is_slow(index_root):
+    capacity = 16 << 10
+    batch_bytes = _batch_codec.encode((torch.zeros(4, dtype=torch.int64), torch.zeros(4),
+                                       torch.zeros(4, 256))).nbytes  # one staged batch, ~4 KiB
+    common = dict(hp_group_size=3, hp_group_timeout_s=30, cache_bytes=0, payload_floats=256,
+                  hp_staging_bytes=capacity)
+    jobs = [(1, dict(common, step_s=0.05)), (1, common), (1, common)]  # the first job trains slowly
+    procs, results, _start = _start_jobs(index_root, _group(), jobs)
+    runs = _collect(results, 3)
+    _procs.join_ok(*procs)
+    for _, seen, stats in runs:
+        assert _samples(seen[0][1]) == list(range(N))
+    peak = max(stats["group"]["peak_staged_bytes"] for _, _, stats in runs)
+    # The fast jobs alone would stage all of their 10 batches (~40 KiB); the bound holds them back.
+    assert capacity / 2 < peak <= capacity + batch_bytes
+
+
+@pytest.mark.slow
+def test_a_job_joins_at_the_next_epoch_and_one_leaves_after_the_first(index_root):
+    n, group = 40, _group()  # 10 batches per epoch
+    ctx = mp.get_context("spawn")
+    results, start, start_late, progress = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    common = dict(hp_group_timeout_s=30, cache_bytes=0)
+    stays = _procs.spawn(_procs.hp_job, index_root, n, group, 3, results,
+                         dict(common, hp_group_size=2, step_s=0.25), start, progress)
+    leaves = _procs.spawn(_procs.hp_job, index_root, n, group, 1, results, dict(common, hp_group_size=2), start)
+    joins = _procs.spawn(_procs.hp_job, index_root, n, group, 2, results, common, start_late)
+    start.set()
+    assert progress.wait(_procs.JOIN_TIMEOUT)  # the group is in its first epoch (~2.5 s long)
+    start_late.set()
+    runs = {pid: (seen, stats) for pid, seen, stats in _collect(results, 3)}
+    _procs.join_ok(stays, leaves, joins)
+
+    (stays_seen, stays_stats), (leaves_seen, _), (joins_seen, joins_stats) = (
+        runs[stays.pid], runs[leaves.pid], runs[joins.pid])
+    for seen in (stays_seen, leaves_seen, joins_seen):
+        assert all(_samples(batches) == list(range(n)) for _, batches in seen)
+    assert leaves_seen[0][1] == stays_seen[0][1]  # group epoch 1: the first two jobs
+    assert joins_seen[0][1] == stays_seen[1][1]  # the late job's first epoch is the group's second
+    assert joins_seen[1][1] == stays_seen[2][1]  # and the job that left is not missed
+    assert [e["members"] for e in stays_stats["epochs"]] == [2, 2, 2]
+    assert [e["members"] for e in joins_stats["epochs"]] == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_job_killed_mid_epoch_is_taken_over_by_the_others(index_root):
+    group, timeout_s = _group(), 5
+    common = dict(hp_group_size=3, hp_group_timeout_s=timeout_s, cache_bytes=0)
+    # The victim prepares slowly, so it dies with most of its share not yet published.
+    victim_options = dict(common, decode_delay_s=0.05, kill_self_after=3)
+    procs, results, _start = _start_jobs(index_root, group, [(2, victim_options), (2, common), (2, common)])
+    victim, survivors = procs[0], procs[1:]
+    runs = _collect(results, 2)
+    _procs.join_ok(*survivors)
+    victim.join(10)
+    assert victim.exitcode == -signal.SIGKILL
+
+    (_, seen_a, stats_a), (_, seen_b, stats_b) = runs
+    assert seen_a == seen_b  # the survivors still see identical batches
+    for _, batches in seen_a:
+        assert _samples(batches) == list(range(N))  # every sample exactly once, in both epochs
+    first = (stats_a["epochs"][0], stats_b["epochs"][0])
+    assert all(e["members"] == 3 and e["complete"] for e in first)
+    assert sum(e["prepared"] for e in first) > 2 * (N // 4) // 3  # more than their own shares: a takeover
+    assert all(e["time_s"] < timeout_s + 20 for e in first)  # nobody waited on the dead job for long
+    assert [e["members"] for e in stats_a["epochs"]][1] == 2
+    assert stats_a["epochs"][1]["prepared"] + stats_b["epochs"][1]["prepared"] == N // 4
+    assert not os.path.exists(f"/dev/shm/{group_segment_name(group)}")
+
+
+def _loader(root, group, n=N, transform=None, **kwargs):
+    options = {**dict(batch_size=4, shuffle=True, cache_bytes=0, hp_group=group), **kwargs}
+    return coordl.DataLoader(_procs.IndexFiles(root, n, transform=transform), **options)
+
+
+def test_mismatched_settings_are_refused_naming_what_differs(index_root):
+    group = _group()
+    with _loader(index_root, group, transform=_procs.Scale(1)):
+        cases = [
+            (dict(batch_size=8), "batch_size: group has '4', this job '8'"),
+            (dict(shuffle=False), "sampler: group has 'shuffled', this job 'sequential'"),
+            (dict(drop_last=True), "drop_last"),
+            (dict(generator=torch.Generator().manual_seed(3)), "seed: group has 'drawn by the group', this job '3'"),
+            (dict(transform=_procs.Scale(2)), r"transforms: group has 'transform=Scale\(1\)', this job "
+                                              r"'transform=Scale\(2\)'"),
+            (dict(n=N - 4), "dataset: .* of 60 samples.* of 56 samples"),
+        ]
+        for kwargs, what in cases:
+            kwargs.setdefault("transform", _procs.Scale(1))
+            with pytest.raises(coordl.GroupMismatchError, match=f"in use by job.*{what}"):
+                _loader(index_root, group, **kwargs)
+        with pytest.warns(UserWarning, match="batch_size.*Running uncoordinated"):
+            loner = _loader(index_root, group, batch_size=8, transform=_procs.Scale(1),
+                            hp_group_on_mismatch="uncoordinated")
+        with loner:
+            assert sorted(i for indices, _, _ in loner for i in indices.tolist()) == list(range(N))
+            assert loner.stats().group is None and loner.stats().epochs[0].group is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hp_group=""), "hp_group should be a non-empty string"),
+    (dict(hp_group_size=0), "hp_group_size should be a positive int"),
+    (dict(hp_staging_bytes="lots"), "hp_staging_bytes should be"),
+    (dict(hp_group_timeout_s=0), "hp_group_timeout_s should be a positive number"),
+    (dict(hp_group_on_mismatch="ignore"), "hp_group_on_mismatch should be one of"),
+    (dict(shuffle=None, sampler=[0, 1]), "pass shuffle=True or False instead of sampler="),
+    (dict(in_order=False), "hp_group needs in_order=True"),
+])
+def test_bad_hp_group_options_are_refused(index_root, kwargs, match):
+    options = dict(batch_size=4, shuffle=True, cache_bytes=0, hp_group="bad-options")
+    with pytest.raises(ValueError, match=match):
+        coordl.DataLoader(_procs.IndexFiles(index_root, N), **{**options, **kwargs})
+
+
+def test_a_lone_member_prepares_everything_and_reports_it(index_root, caplog):
+    group = _group()
+    with caplog.at_level(logging.INFO, logger="coordl"):
+        with _loader(index_root, group) as loader:
+            assert len(loader) == N // 4
+            for _ in range(2):
+                assert sorted(i for indices, _, _ in loader for i in indices.tolist()) == list(range(N))
+            stats = loader.stats()
+            assert [g.label for g in list_groups()].count(group) == 1
+        assert not os.path.exists(f"/dev/shm/{group_segment_name(group)}")  # closing left the group
+    first = stats.epochs[0]
+    assert (first.members, first.prepared, first.shared, first.decoded, first.samples) == (1, 15, 0, N, N)
+    assert stats.total.prepared == 30 and stats.group.epoch == 2 and stats.group.peak_staged_bytes == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch=")]
+    assert len(lines) == 2 and f"group={group} members=1 prepared=15 shared=0 decoded={N}" in lines[0]
+
+
+def _coordl(*args):
+    return subprocess.run([sys.executable, "-m", "coordl.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_group_ls_and_rm_on_live_and_stale_groups():
+    stale_group, live_group = _group(), _group()
+    joined = mp.get_context("spawn").Event()
+    proc = _procs.spawn(_procs.join_group_then_die, stale_group, joined)
+    proc.join(_procs.JOIN_TIMEOUT)
+    assert proc.exitcode == -signal.SIGKILL
+    stale = group_segment_name(stale_group)
+    live = HPGroup(live_group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
+    live.join()
+    try:
+        out = _coordl("group", "ls").stdout
+        assert "stale" in out.split(stale)[1].splitlines()[0]
+        live_line = out.split(live.name)[1].splitlines()
+        assert "1 member(s)" in live_line[0] and f"pid {os.getpid()}" in live_line[1]
+        refused = _coordl("group", "rm", live.name)
+        assert refused.returncode == 1 and "1 member(s) alive" in refused.stderr
+        assert f"would remove {stale}" in _coordl("group", "rm", "--stale", "--dry-run").stdout
+        assert os.path.exists(f"/dev/shm/{stale}")
+        removed = _coordl("group", "rm", "--stale")
+        assert removed.returncode == 0 and f"removed {stale}" in removed.stdout
+        assert not os.path.exists(f"/dev/shm/{stale}") and os.path.exists(f"/dev/shm/{live.name}")
+    finally:
+        live.close()
+    assert not os.path.exists(f"/dev/shm/{live.name}")

@@ -1,0 +1,56 @@
+"""Pure parts of coordinated prep: epoch plans and the staged-batch encoding."""
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from coordl import _batch_codec
+from coordl.coord_prep import epoch_plan
+from coordl.exceptions import StagingError
+
+
+def test_epoch_plans_are_shared_per_epoch_and_new_each_epoch():
+    first = epoch_plan(10, 3, False, True, seed=5, epoch=1)
+    assert first == epoch_plan(10, 3, False, True, seed=5, epoch=1)  # every member computes the same plan
+    assert [len(b) for b in first] == [3, 3, 3, 1]
+    assert sorted(i for b in first for i in b) == list(range(10))
+    assert first != epoch_plan(10, 3, False, True, seed=5, epoch=2)
+    assert [len(b) for b in epoch_plan(10, 3, True, True, seed=5, epoch=1)] == [3, 3, 3]
+    assert epoch_plan(5, 2, False, False, seed=5, epoch=3) == [[0, 1], [2, 3], [4]]
+
+
+def _round_trip(batch, epoch=2, batch_id=7):
+    encoded = _batch_codec.encode(batch)
+    buf = mmap.mmap(-1, encoded.nbytes)
+    try:
+        _batch_codec.write(encoded, buf, epoch, batch_id)
+        return _batch_codec.read(buf, epoch, batch_id)
+    finally:
+        buf.close()
+
+
+def test_staged_batches_keep_structure_dtypes_and_values():
+    batch = (torch.randn(3, 4), torch.arange(5), torch.randn(4, 4).t(), torch.zeros(0),
+             torch.randn(2, 2).to(torch.bfloat16), torch.tensor(True),
+             {"names": ["a", "b"], 3: np.arange(6, dtype=np.float16).reshape(2, 3), "none": None, "x": 1.5})
+    out = _round_trip(batch)
+    assert isinstance(out, tuple) and len(out) == len(batch)
+    for got, want in zip(out[:6], batch[:6]):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert out[6]["names"] == ["a", "b"] and out[6]["none"] is None and out[6]["x"] == 1.5
+    assert isinstance(out[6][3], np.ndarray) and np.array_equal(out[6][3], batch[6][3])
+
+
+def test_unsupported_batches_and_foreign_segments_are_refused():
+    with pytest.raises(TypeError, match="collate_fn returned a set"):
+        _batch_codec.encode([{1, 2}])
+    encoded = _batch_codec.encode([torch.ones(2)])
+    buf = mmap.mmap(-1, encoded.nbytes)
+    try:
+        _batch_codec.write(encoded, buf, 1, 4)
+        with pytest.raises(StagingError, match="holds batch 4 of epoch 1, expected batch 5 of epoch 1"):
+            _batch_codec.read(buf, 1, 5)
+    finally:
+        buf.close()
