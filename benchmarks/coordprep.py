@@ -121,7 +121,8 @@ def run_child(args) -> None:
 def _run_system(system: str, args, root: str, device: str | None, workdir: str) -> dict:
     """Start the system's K jobs together and wait for them; their rows and the system's device reads."""
     name = f"coordl-coordprep-{os.getpid()}-{system}"
-    with _Cgroups(name, device, args.memory_limit_mb * 2**20 or None) if device else contextlib.nullcontext() as cgroups:
+    memory_limit = args.memory_limit_mb * 2**20 or None
+    with _Cgroups(name, device, memory_limit) if device else contextlib.nullcontext() as cgroups:
         return _run_jobs(system, args, root, device, cgroups, workdir)
 
 
@@ -179,7 +180,8 @@ def _drop_page_cache() -> bool:
 
 def _summary(system: dict, epochs: int, dataset_images: int) -> dict:
     steady = [r for job in system["jobs"] for r in job if r["epoch"] > 1 or epochs == 1]
-    decoded = [sum(r["decoded"] for job in system["jobs"] for r in job if r["epoch"] == e) for e in range(1, epochs + 1)]
+    decoded = [sum(r["decoded"] for job in system["jobs"] for r in job if r["epoch"] == e)
+               for e in range(1, epochs + 1)]
     group = system["group"]
     return {
         "per_job_samples_per_s": round(sum(r["samples_per_s"] for r in steady) / len(steady), 1),
@@ -216,7 +218,8 @@ def _markdown(result: dict) -> str:
         peak = f"{row['staging_peak_bytes'] / mib:.1f}" if row["staging_peak_bytes"] is not None else "-"
         lines.append(f"| {name} | {row['per_job_samples_per_s']:.1f} | {speedup:.2f}x | "
                      f"{', '.join(map(str, row['decoded_per_epoch']))} | "
-                     f"{', '.join(map(str, row['decoded_x_dataset']))} | {row['device_read_bytes'] / mib:.1f} | {peak} |")
+                     f"{', '.join(map(str, row['decoded_x_dataset']))} | "
+                     f"{row['device_read_bytes'] / mib:.1f} | {peak} |")
     lines += ["", "Per job and epoch (samples/s):", ""]
     for name in ("torch", "coordl"):
         for k, job in enumerate(result["systems"][name]["jobs"]):

@@ -1,0 +1,390 @@
+"""The shared state of an hp_group: its segment layout and every change to it, made with the lock held.
+
+NOTE [ Group layout ]
+One segment ``/dev/shm/cdl_<token>_group`` (token = sha256(uid, group name)) holds, in order:
+  * header (4 KiB): int64 fields ``_H_*``, the group name and the members' agreed settings (JSON);
+  * members (``MAX_GROUP_MEMBERS`` rows of int64 ``_M_*``): pid and start ticks, the epoch it waits
+    for, the epoch it is in, its cursor (next batch it will consume), counters;
+  * staging ring (``STAGING_SLOTS`` rows of int64 ``_R_*``): batch ``b`` of the current epoch occupies
+    row ``b % STAGING_SLOTS`` while staged: its segment's sequence number, size, state and use mask;
+  * owners (int16 per batch of the epoch): the member slot that prepares each batch.
+A staged batch's bytes live in their own segment ``cdl_<token>_s<seq>``, sized exactly.
+
+NOTE [ Staging and use masks ]
+A batch's use counter is a bit mask of the members that used it (its producer's bit is set when it is
+published); it is freed, and its segment unlinked, once it covers every *active* member, so a member
+that leaves or dies is discounted exactly. Batch ``b`` may be staged only when every active member has
+consumed ``b - STAGING_SLOTS`` (its ring row is then free), and only while the staged bytes fit in the
+capacity, except for the batch the slowest member needs next, which is always admitted. No batch can
+therefore block the one everybody waits for: memory stays under capacity + one batch and the group
+moves at the pace of its slowest member. Consumers poll the ring without the lock: a row's fields are
+written before its state says ready.
+
+NOTE [ Failures and takeover ]
+A member that dies (SIGKILL included) or abandons an epoch is *failed*: it leaves the active mask, rows
+it was writing are reclaimed, and its batches that are not staged yet are dealt round-robin to the
+surviving members (sorted by slot) in the owners table, so every survivor still sees every batch once.
+Batches below the slowest survivor's cursor were consumed by all survivors, so they were published.
+"""
+
+import dataclasses
+import json
+import logging
+import time
+
+import numpy as np
+
+from coordl._constants import GROUP_KIND, MAX_GROUP_MEMBERS, STAGED_KIND_PREFIX, STAGING_SLOTS
+from coordl._shm import Segment, unlink_segment
+from coordl._sysinfo import is_process_alive, process_start_ticks
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = int.from_bytes(b"COORDLG1", "little")
+_VERSION = 1
+(_H_MAGIC, _H_VERSION, _H_READY, _H_CREATED_NS, _H_CREATOR_PID, _H_N_BATCHES, _H_CAPACITY, _H_SEED, _H_EPOCH,
+ _H_ACTIVE, _H_OPEN_SINCE_NS, _H_STAGED_BYTES, _H_PEAK_BYTES, _H_SEQ, _H_GENERATION, _H_MEMBERS) = range(16)
+_HEADER_FIELDS = 64
+_LABEL_AT, _LABEL_LEN = 1024, 256
+_CONFIG_AT, _CONFIG_LEN = 1280, 2816
+_HEADER_BYTES = 4096
+(_M_PID, _M_TICKS, _M_EXPECT, _M_ARRIVED_FOR, _M_IN_EPOCH, _M_CURSOR, _M_DONE_NS, _M_PREPARED, _M_SHARED,
+ _M_EPOCHS) = range(10)
+_MEMBER_FIELDS = 16
+_MEMBERS_AT = _HEADER_BYTES
+(_R_BATCH, _R_EPOCH, _R_STATE, _R_SEQ, _R_NBYTES, _R_USED) = range(6)
+_RING_FIELDS = 8
+_RING_AT = _MEMBERS_AT + MAX_GROUP_MEMBERS * _MEMBER_FIELDS * 8
+_OWNERS_AT = _RING_AT + STAGING_SLOTS * _RING_FIELDS * 8
+_FREE, _WRITING, _READY = 0, 1, 2
+
+NOT_MINE = -1
+"""``reserve`` result: the batch is no longer this member's to publish (it left the epoch)."""
+ALONE = 0
+"""``reserve`` result: this member is the epoch's only active one; nothing needs staging."""
+
+
+def segment_size(n_batches: int) -> int:
+    """Bytes of the group segment for ``n_batches`` batches per epoch."""
+    return _OWNERS_AT + 2 * n_batches
+
+
+def staged_name(group_segment: str, seq: int) -> str:
+    """Segment name of staged batch ``seq`` of the group whose segment is ``group_segment``."""
+    return f"{staged_prefix(group_segment)}{seq:x}"
+
+
+def staged_prefix(group_segment: str) -> str:
+    """Common prefix of the staged batch segments of the group whose segment is ``group_segment``."""
+    return group_segment[:-len(GROUP_KIND)] + STAGED_KIND_PREFIX
+
+
+def header_ok(segment: Segment) -> bool:
+    """Whether ``segment`` holds a published group header of this layout."""
+    if segment.size < _OWNERS_AT:
+        return False
+    header = np.ndarray((_HEADER_FIELDS,), np.int64, segment.buf, 0)
+    return bool(header[_H_MAGIC] == _MAGIC and header[_H_VERSION] == _VERSION and header[_H_READY])
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberStats:
+    """One member of a group as ``coordl group ls`` shows it."""
+
+    pid: int
+    alive: bool
+    epoch: int
+    cursor: int
+    waiting_for: int
+    prepared: int
+    shared: int
+    epochs_done: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupStats:
+    """A snapshot of one hp_group: its epoch, members and staging memory."""
+
+    name: str
+    label: str
+    epoch: int
+    n_batches: int
+    members: tuple[MemberStats, ...]
+    staged_batches: int
+    staged_bytes: int
+    peak_staged_bytes: int
+    capacity_bytes: int
+
+    @property
+    def members_alive(self) -> int:
+        return sum(m.alive for m in self.members)
+
+
+class GroupState:
+    """numpy views onto a mapped group segment and the protocol steps on them.
+
+    Methods change shared state and must be called with the segment's lock held, except those said to
+    read without it. Views must be dropped before the segment is unmapped.
+    """
+
+    def __init__(self, segment: Segment):
+        buf = segment.buf
+        self._buf = buf
+        self.prefix = staged_prefix(segment.name)
+        self.header = np.ndarray((_HEADER_FIELDS,), np.int64, buf, 0)
+        self.members = np.ndarray((MAX_GROUP_MEMBERS, _MEMBER_FIELDS), np.int64, buf, _MEMBERS_AT)
+        self.ring = np.ndarray((STAGING_SLOTS, _RING_FIELDS), np.int64, buf, _RING_AT)
+        self.owners = np.ndarray((int(self.header[_H_N_BATCHES]),), np.int16, buf, _OWNERS_AT)
+
+    @classmethod
+    def initialize(cls, segment: Segment, *, n_batches: int, capacity: int, seed: int, label: str,
+                   config: bytes, creator_pid: int) -> None:
+        """Fill a new, locked segment's header and publish it (``ready`` last)."""
+        header = np.ndarray((_HEADER_FIELDS,), np.int64, segment.buf, 0)
+        header[_H_MAGIC], header[_H_VERSION], header[_H_CREATED_NS] = _MAGIC, _VERSION, time.time_ns()
+        header[_H_CREATOR_PID], header[_H_N_BATCHES] = creator_pid, n_batches
+        header[_H_CAPACITY], header[_H_SEED] = capacity, seed
+        if len(config) >= _CONFIG_LEN:
+            raise ValueError(f"internal error: hp_group settings take {len(config)} bytes")
+        label_bytes = label.encode()[:_LABEL_LEN - 1]
+        segment.buf[_LABEL_AT:_LABEL_AT + len(label_bytes)] = label_bytes
+        segment.buf[_CONFIG_AT:_CONFIG_AT + len(config)] = config
+        state = cls(segment)
+        state.ring[:, _R_BATCH] = -1
+        header[_H_READY] = 1
+        del state, header
+
+    # -- identity ----------------------------------------------------------------------------
+
+    def _text(self, at: int, length: int) -> str:
+        return bytes(self._buf[at:at + length]).rstrip(b"\0").decode("utf-8", "replace")
+
+    @property
+    def label(self) -> str:
+        return self._text(_LABEL_AT, _LABEL_LEN)
+
+    def config(self) -> dict[str, str]:
+        return json.loads(self._text(_CONFIG_AT, _CONFIG_LEN) or "{}")
+
+    @property
+    def seed(self) -> int:
+        return int(self.header[_H_SEED])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.header[_H_CAPACITY])
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever an epoch starts or batches change hands (read without the lock)."""
+        return int(self.header[_H_GENERATION])
+
+    def member_pids(self) -> list[int]:
+        return [int(p) for p in self.members[self.members[:, _M_PID] != 0, _M_PID]]
+
+    # -- membership --------------------------------------------------------------------------
+
+    def register(self, pid: int, expected_members: int) -> int | None:
+        """Enter ``pid`` in a free member slot (not one still counted in the running epoch); its slot."""
+        busy = int(self.header[_H_ACTIVE])
+        free = [s for s in range(MAX_GROUP_MEMBERS) if not self.members[s, _M_PID] and not busy >> s & 1]
+        if not free:
+            return None
+        row = self.members[free[0]]
+        row[:] = 0
+        row[_M_PID], row[_M_TICKS], row[_M_EXPECT] = pid, process_start_ticks(pid), expected_members
+        return free[0]
+
+    def unregister(self, slot: int, pid: int) -> None:
+        """Remove member ``slot`` (if ``pid`` still holds it), failing its part of the running epoch."""
+        if self.members[slot, _M_PID] == pid:
+            self.fail(slot, "left")
+            self.members[slot] = 0
+
+    def reap(self) -> int:
+        """Fail and unregister members whose process is gone; return how many live members remain."""
+        alive = 0
+        for slot in np.flatnonzero(self.members[:, _M_PID]):
+            pid, ticks = int(self.members[slot, _M_PID]), int(self.members[slot, _M_TICKS])
+            if is_process_alive(pid, ticks):
+                alive += 1
+            else:
+                self.fail(int(slot), "died")
+                self.members[slot] = 0
+        return alive
+
+    def _active_slots(self) -> list[int]:
+        active = int(self.header[_H_ACTIVE])
+        return [s for s in range(MAX_GROUP_MEMBERS) if active >> s & 1]
+
+    def _low(self) -> int:
+        """The first batch some active member has not consumed (n_batches when none is active)."""
+        slots = self._active_slots()
+        return int(self.members[slots, _M_CURSOR].min()) if slots else len(self.owners)
+
+    def fail(self, slot: int, why: str) -> None:
+        """Take ``slot`` out of the running epoch; deal its unstaged batches to the survivors."""
+        bit = 1 << slot
+        if not int(self.header[_H_ACTIVE]) & bit:
+            return
+        self.header[_H_ACTIVE] &= ~bit
+        if self.members[slot, _M_DONE_NS]:  # it used every batch: nothing to take over
+            self._free_used()
+            return
+        for row in np.flatnonzero(self.ring[:, _R_STATE] == _WRITING):
+            if self.owners[int(self.ring[row, _R_BATCH])] == slot:
+                self._free_row(int(row))
+        survivors, remaining = self._active_slots(), []
+        if survivors:
+            low = self._low()
+            staged = set(self.ring[self.ring[:, _R_STATE] == _READY, _R_BATCH].tolist())
+            remaining = [int(b) for b in np.flatnonzero(self.owners[low:] == slot) + low if b not in staged]
+            for k, batch in enumerate(remaining):
+                self.owners[batch] = survivors[k % len(survivors)]
+            self.header[_H_GENERATION] += 1
+        self._free_used()
+        pids = [int(self.members[s, _M_PID]) for s in survivors]
+        logger.log(logging.WARNING if why == "died" else logging.INFO,
+                   "hp_group %s: job pid %d %s during epoch %d; its %d remaining batch(es) are taken over by pid(s) "
+                   "%s", self.label, int(self.members[slot, _M_PID]), why, int(self.header[_H_EPOCH]), len(remaining),
+                   ", ".join(map(str, pids)) or "nobody (no member left)")
+
+    # -- epochs ------------------------------------------------------------------------------
+
+    def arrive(self, slot: int) -> int:
+        """Member ``slot`` waits for the group's next epoch; returns that epoch."""
+        upcoming = int(self.header[_H_EPOCH]) + 1
+        self.members[slot, _M_ARRIVED_FOR] = upcoming
+        if not self.header[_H_OPEN_SINCE_NS]:
+            self.header[_H_OPEN_SINCE_NS] = time.time_ns()
+        return upcoming
+
+    def epoch_of(self, slot: int) -> tuple[int, int, int]:
+        """(epoch member ``slot`` is in, the group's latest epoch, that epoch's member count)."""
+        return int(self.members[slot, _M_IN_EPOCH]), int(self.header[_H_EPOCH]), int(self.header[_H_MEMBERS])
+
+    def try_seal(self, timeout_s: float) -> None:
+        """Start the group's next epoch if it may start (see NOTE [ Epochs and membership ] in coord_prep)."""
+        h, m = self.header, self.members
+        previous, upcoming = int(h[_H_EPOCH]), int(h[_H_EPOCH]) + 1
+        live = np.flatnonzero(m[:, _M_PID])
+        arrived = [int(s) for s in live if m[s, _M_ARRIVED_FOR] == upcoming]
+        if not arrived:
+            return
+        now, timeout_ns = time.time_ns(), int(timeout_s * 1e9)
+        for s in live:
+            if not previous or m[s, _M_IN_EPOCH] != previous or m[s, _M_ARRIVED_FOR] == upcoming:
+                continue
+            consuming = not m[s, _M_DONE_NS] and int(h[_H_ACTIVE]) >> int(s) & 1
+            if consuming or m[s, _M_DONE_NS] and now - m[s, _M_DONE_NS] < timeout_ns:
+                return  # a member of the previous epoch may still come
+        expected = int(m[arrived, _M_EXPECT].max())
+        if not previous and len(arrived) < expected and now - h[_H_OPEN_SINCE_NS] < timeout_ns:
+            return
+        for row in np.flatnonzero(self.ring[:, _R_STATE] != _FREE):
+            self._free_row(int(row))
+        h[_H_EPOCH], h[_H_OPEN_SINCE_NS], h[_H_MEMBERS] = upcoming, 0, len(arrived)
+        h[_H_ACTIVE] = sum(1 << s for s in arrived)
+        h[_H_GENERATION] += 1
+        self.owners[:] = np.array(arrived, np.int16)[np.arange(len(self.owners)) % len(arrived)]
+        m[arrived, _M_IN_EPOCH], m[arrived, _M_ARRIVED_FOR] = upcoming, 0
+        m[arrived, _M_CURSOR], m[arrived, _M_DONE_NS] = 0, 0
+
+    def owner(self, batch: int) -> int:
+        """Slot of the member that prepares ``batch`` now (read without the lock)."""
+        return int(self.owners[batch])
+
+    def batches_of(self, slot: int) -> list[int]:
+        """The batches of the running epoch that member ``slot`` prepares (read without the lock)."""
+        return np.flatnonzero(self.owners == slot).tolist()
+
+    def set_cursor(self, slot: int, cursor: int) -> None:
+        """Member ``slot`` consumed every batch before ``cursor`` (its own row: no lock needed)."""
+        self.members[slot, _M_CURSOR] = cursor
+
+    def finish(self, slot: int) -> None:
+        """Member ``slot`` consumed the whole epoch."""
+        self.members[slot, _M_DONE_NS] = time.time_ns()
+        self.members[slot, _M_EPOCHS] += 1
+
+    # -- staging -------------------------------------------------------------------------------
+
+    def _free_row(self, row: int) -> None:
+        entry = self.ring[row]
+        if entry[_R_STATE] != _FREE:
+            unlink_segment(f"{self.prefix}{int(entry[_R_SEQ]):x}")
+            self.header[_H_STAGED_BYTES] -= entry[_R_NBYTES]
+        entry[:] = 0
+        entry[_R_BATCH] = -1
+
+    def _free_used(self) -> None:
+        """Free every staged batch that all active members have used."""
+        active = int(self.header[_H_ACTIVE])
+        for row in np.flatnonzero(self.ring[:, _R_STATE] == _READY):
+            if int(self.ring[row, _R_USED]) & active == active:
+                self._free_row(int(row))
+
+    def reserve(self, slot: int, epoch: int, batch: int, nbytes: int) -> int | None:
+        """A ring row for member ``slot``'s ``batch`` if it may be staged now (NOTE [ Staging and use masks ]).
+
+        Returns:
+            Its segment's sequence number; None while there is no room; :data:`ALONE`; :data:`NOT_MINE`.
+        """
+        h, bit = self.header, 1 << slot
+        if h[_H_EPOCH] != epoch or not int(h[_H_ACTIVE]) & bit or self.owners[batch] != slot:
+            return NOT_MINE
+        if h[_H_ACTIVE] == bit:
+            self.members[slot, _M_PREPARED] += 1
+            return ALONE
+        low = self._low()
+        entry = self.ring[batch % STAGING_SLOTS]
+        fits = h[_H_STAGED_BYTES] + nbytes <= h[_H_CAPACITY] or batch <= low
+        if batch >= low + STAGING_SLOTS or entry[_R_STATE] != _FREE or not fits:
+            return None
+        h[_H_SEQ] += 1
+        seq = int(h[_H_SEQ])
+        entry[_R_BATCH], entry[_R_EPOCH], entry[_R_SEQ] = batch, epoch, seq
+        entry[_R_NBYTES], entry[_R_USED], entry[_R_STATE] = nbytes, bit, _WRITING
+        h[_H_STAGED_BYTES] += nbytes
+        h[_H_PEAK_BYTES] = max(h[_H_PEAK_BYTES], h[_H_STAGED_BYTES])
+        return seq
+
+    def commit(self, slot: int, epoch: int, batch: int, seq: int) -> bool:
+        """Publish reserved ``batch``; False (its segment removed) if it was taken over meanwhile."""
+        entry = self.ring[batch % STAGING_SLOTS]
+        if entry[_R_SEQ] != seq or entry[_R_STATE] != _WRITING or entry[_R_EPOCH] != epoch:
+            unlink_segment(f"{self.prefix}{seq:x}")
+            return False
+        entry[_R_STATE] = _READY
+        self.members[slot, _M_PREPARED] += 1
+        self._free_used()
+        return True
+
+    def staged(self, epoch: int, batch: int) -> int | None:
+        """Sequence number of ``batch`` if staged and ready, else None (read without the lock)."""
+        entry = self.ring[batch % STAGING_SLOTS]
+        if entry[_R_STATE] == _READY and entry[_R_BATCH] == batch and entry[_R_EPOCH] == epoch:
+            return int(entry[_R_SEQ])
+        return None
+
+    def release(self, slot: int, epoch: int, batch: int, seq: int) -> None:
+        """Member ``slot`` used staged ``batch``; the last member of the epoch to use it frees it."""
+        entry = self.ring[batch % STAGING_SLOTS]
+        if entry[_R_SEQ] == seq and entry[_R_EPOCH] == epoch and entry[_R_STATE] == _READY:
+            entry[_R_USED] |= 1 << slot
+            self._free_used()
+        self.members[slot, _M_SHARED] += 1
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def snapshot(self, name: str) -> GroupStats:
+        members = tuple(
+            MemberStats(pid=int(r[_M_PID]), alive=is_process_alive(int(r[_M_PID]), int(r[_M_TICKS])),
+                        epoch=int(r[_M_IN_EPOCH]), cursor=int(r[_M_CURSOR]), waiting_for=int(r[_M_ARRIVED_FOR]),
+                        prepared=int(r[_M_PREPARED]), shared=int(r[_M_SHARED]), epochs_done=int(r[_M_EPOCHS]))
+            for r in self.members if r[_M_PID])
+        h = self.header
+        return GroupStats(name=name, label=self.label, epoch=int(h[_H_EPOCH]), n_batches=len(self.owners),
+                          members=members, staged_batches=int(np.count_nonzero(self.ring[:, _R_STATE] != _FREE)),
+                          staged_bytes=int(h[_H_STAGED_BYTES]), peak_staged_bytes=int(h[_H_PEAK_BYTES]),
+                          capacity_bytes=int(h[_H_CAPACITY]))
