@@ -171,10 +171,11 @@ class Scale:
         return f"Scale({self.factor})"
 
 
-def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, start=None, progress=None):
-    """A training job in hp_group ``group``: after ``start`` (if any) runs ``epochs`` epochs and puts
-    ``(pid, [(epoch, [(indices, draws) per batch]) ...], stats dict)`` on ``results``; sets ``progress``
-    (if any) after its first batch.
+def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, start=None, progress=None,
+           ready=None):
+    """A training job in hp_group ``group``: sets ``ready`` (if any) once imported, then after ``start`` (if
+    any) runs ``epochs`` epochs and puts ``(pid, [(epoch, [(indices, draws) per batch]) ...], stats dict)``
+    on ``results``; sets ``progress`` (if any) after its first batch.
 
     ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per
     batch: a slow training step), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
@@ -189,6 +190,8 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
                          decode_delay_s=options.pop("decode_delay_s", 0.0))
     step_s, kill_after = options.pop("step_s", 0.0), options.pop("kill_self_after", 0)
     kill_epoch = options.pop("kill_epoch", 1)
+    if ready is not None:
+        ready.set()
     if start is not None:
         start.wait(JOIN_TIMEOUT)
     loader = coordl.DataLoader(dataset, hp_group=group, **{"batch_size": 4, "shuffle": True, **options})

@@ -107,12 +107,14 @@ def test_staging_memory_stays_bounded_when_one_job_is_slow(index_root):
 def test_a_job_joins_at_the_next_epoch_and_one_leaves_after_the_first(index_root):
     n, group = 40, _group()  # 10 batches per epoch
     ctx = mp.get_context("spawn")
-    results, start, start_late, progress = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    results, start, start_late, progress, late_ready = (ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event(),
+                                                        ctx.Event())
     common = dict(hp_group_timeout_s=30, cache_bytes=0)
     stays = _procs.spawn(_procs.hp_job, index_root, n, group, 3, results,
                          dict(common, hp_group_size=2, step_s=0.25), start, progress)
     leaves = _procs.spawn(_procs.hp_job, index_root, n, group, 1, results, dict(common, hp_group_size=2), start)
-    joins = _procs.spawn(_procs.hp_job, index_root, n, group, 2, results, common, start_late)
+    joins = _procs.spawn(_procs.hp_job, index_root, n, group, 2, results, common, start_late, None, late_ready)
+    assert late_ready.wait(_procs.JOIN_TIMEOUT)  # the late job has started up and can join at once
     start.set()
     assert progress.wait(_procs.JOIN_TIMEOUT)  # the group is in its first epoch (~2.5 s long)
     start_late.set()
@@ -135,7 +137,7 @@ def test_a_job_killed_mid_epoch_is_taken_over_by_the_others(index_root):
     group, timeout_s = _group(), 5
     common = dict(hp_group_size=3, hp_group_timeout_s=timeout_s, cache_bytes=0)
     # The victim prepares slowly, so it dies with most of its share not yet published.
-    victim_options = dict(common, decode_delay_s=0.05, kill_self_after=3)
+    victim_options = dict(common, decode_delay_s=0.1, kill_self_after=3)
     procs, results, _start = _start_jobs(index_root, group, [(2, victim_options), (2, common), (2, common)])
     victim, survivors = procs[0], procs[1:]
     runs = _collect(results, 2)
