@@ -1,5 +1,6 @@
 """coordl: a drop-in ``torch.utils.data.DataLoader`` that removes data stalls."""
 
+from coordl.coco import CocoDetection
 from coordl.exceptions import CacheMismatchError, CoordlError, SampleError, ShmCapacityError
 from coordl.loader import DataLoader
 from coordl.minio_cache import CacheStats, MinIOCache
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheMismatchError",
     "CacheStats",
+    "CocoDetection",
     "CoordlError",
     "DataLoader",
     "EpochStats",
