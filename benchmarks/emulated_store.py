@@ -113,7 +113,7 @@ class EmulatedStore:
 
 
 class StoreClient:
-    """Reads files through the store. Picklable; each process opens its own connection.
+    """Reads files through the store. Picklable; each process and thread opens its own connection.
 
     Implements coordl's ``Storage`` protocol (``read(key)``), so it can replace a loader's storage.
 
@@ -123,17 +123,18 @@ class StoreClient:
 
     def __init__(self, socket_path: str, drop_page_cache: bool = False):
         self.socket_path, self.drop_page_cache = socket_path, drop_page_cache
-        self._conn = None
+        self._conns = {}  # (pid, thread id) -> (socket, its reader)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_conn": None}
+        return {**self.__dict__, "_conns": {}}
 
     def _request(self, line: str) -> tuple[int, object]:
-        if self._conn is None or self._conn[0] != os.getpid():
+        key = (os.getpid(), threading.get_ident())
+        if key not in self._conns:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(self.socket_path)
-            self._conn = (os.getpid(), sock, sock.makefile("rb"))
-        _, sock, rfile = self._conn
+            self._conns[key] = (sock, sock.makefile("rb"))
+        sock, rfile = self._conns[key]
         sock.sendall(line.encode() + b"\n")
         (n,) = _LEN.unpack(rfile.read(_LEN.size))
         return n, rfile

@@ -55,10 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _proc_field(path: str, key: str) -> str | None:
+    with open(path) as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
+
+
 def _machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
-    memory = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    """What the figures were measured on."""
+    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+    memory = int(_proc_field("/proc/meminfo", "MemTotal").split()[0]) * 1024
     versions = {}
     for module in ("torch", "torchvision", "nvidia.dali"):
         try:
@@ -82,11 +87,10 @@ def _remove_caches(tag: str) -> None:
 class Bench:
     """One benchmark run: the storage environment it set up, and how it runs a system in it."""
 
-    def __init__(self, args, cleanup: Cleanup, root: str, tag: str):
+    def __init__(self, args, cleanup: Cleanup, root: str, sizes: list[int], tag: str):
         self.args, self.cleanup, self.root, self.tag = args, cleanup, root, tag
         self.mode, self.cgroup_version, self.device, self.detail = choose_mode(args.storage, root)
         self.bandwidth = int(args.read_mbps * 10**6)
-        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
         self.dataset_bytes = sum(sizes)
         # The page cache holds whole pages: a page-cache budget is a fraction of this (a few % more).
         self.dataset_page_bytes = sum(-(-size // PAGE_BYTES) * PAGE_BYTES for size in sizes)
@@ -97,6 +101,20 @@ class Bench:
             socket_dir = cleanup.workdir(tempfile.gettempdir())  # a short path: socket names are limited
             self.store = EmulatedStore(os.path.join(socket_dir, "store.sock"), self.bandwidth, 0)
             cleanup.callback(self.store.close)
+
+    def warm_up(self, system: str, root: str) -> None:
+        """Run ``system`` once over the small dataset at ``root``, outside any measured cgroup, so that
+        the libraries and code it loads are in the page cache and charged elsewhere: a measured
+        run then neither reads them through the throttle nor counts them against its budget."""
+        if self.mode != "cgroup":
+            return
+        spec = dict(system=system, root=root, epochs=1, batch_size=self.args.batch_size, workers=self.args.workers,
+                    compute_ms=0, cache_bytes=2**20 if system in COORDL_SYSTEMS else 0,
+                    cache_name=f"{self.tag}-{system}-warm-up", seed=self.args.seed, store_socket=None,
+                    counter={"kind": "none"})
+        proc, _ = run_child(child_command(spec), 600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{system} failed to warm up (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
     def run(self, system: str, cache_fraction: float) -> dict:
         """Run ``system`` from a cold page cache with a memory budget of ``cache_fraction`` of the
@@ -154,18 +172,28 @@ def main(argv=None) -> int:
         import torchvision
 
         sizes = [os.path.getsize(path) for path, _ in torchvision.datasets.ImageFolder(root).samples]
-        bench = Bench(args, cleanup, root, tag)
+        bench = Bench(args, cleanup, root, sizes, tag)
         print(f"storage: {bench.mode} ({bench.detail}); dataset {len(sizes)} files, "
               f"{bench.dataset_bytes / 2**20:.1f} MiB; bandwidth {args.read_mbps} MB/s", flush=True)
 
         skipped = {s: why for s in args.systems if (why := skip_reason(s, bench.mode))}
         for system, why in skipped.items():
             print(f"{system}: skipped ({why})", flush=True)
+        warm_up_root = os.path.join(work, "warm-up")
+        make_image_folder(warm_up_root, 2 * args.batch_size, mean_side_px=args.mean_side_px, seed=args.seed + 1)
+        broken = {}
+        for system in (s for s in args.systems if s not in skipped):
+            try:
+                bench.warm_up(system, warm_up_root)
+            except RuntimeError as e:
+                broken[system] = str(e)
+                print(f"{system}: FAILED\n{e}", flush=True)
         runs = []
         for fraction in args.fractions:
             for system in args.systems:
-                if system in skipped:
-                    runs.append({"system": system, "cache_fraction": fraction, "skipped": skipped[system], "epochs": []})
+                if system in skipped or system in broken:
+                    why = {"skipped": skipped[system]} if system in skipped else {"error": broken[system]}
+                    runs.append({"system": system, "cache_fraction": fraction, **why, "epochs": []})
                     continue
                 print(f"{system} at cache {fraction:.0%} ...", flush=True)
                 try:

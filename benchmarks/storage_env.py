@@ -95,7 +95,7 @@ class Cgroup:
     """The memory + I/O cgroup(s) of one system's run.
 
     Reads from ``device`` (``MAJ:MIN``, the dataset's disk) are throttled to ``read_bps``. Memory is
-    bounded to what the processes hold (all but page cache) plus ``page_cache_bytes`` (at least
+    bounded to what the processes hold (all but unmapped page cache) plus ``page_cache_bytes`` (at least
     :data:`HEADROOM_BYTES`), so the page cache gets that much whatever the loader's own footprint;
     :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
     from the start, so that the cache can be allocated. The kernel does not kill for memory in the
@@ -136,16 +136,19 @@ class Cgroup:
             _write(os.path.join(d, "cgroup.procs"), os.getpid())
 
     def memory(self) -> tuple[int, int, int]:
-        """(held, shared, page cache) bytes charged to the group. Held is everything but the page
-        cache: anonymous and shared memory, and the kernel's own (page tables, slab, sockets)."""
+        """(held, shared, page cache) bytes charged to the group. The page cache is file pages that
+        no process maps; held is everything else: anonymous and shared memory, mapped files (such
+        as the samples in DALI's reader buffer), and the kernel's own (page tables, slab, sockets)."""
         memory_dir = self.dirs[0]
         with open(os.path.join(memory_dir, "memory.stat")) as f:
             stat = dict(line.split() for line in f)
         usage_file = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
         with open(os.path.join(memory_dir, usage_file)) as f:
             usage = int(f.read())
-        shmem = int(stat["total_shmem" if self.version == 1 else "shmem"])
-        page_cache = int(stat["total_cache" if self.version == 1 else "file"]) - shmem
+        v1 = self.version == 1
+        shmem = int(stat["total_shmem" if v1 else "shmem"])
+        mapped = int(stat["total_mapped_file" if v1 else "file_mapped"])
+        page_cache = max(0, int(stat["total_cache" if v1 else "file"]) - shmem - mapped)
         return usage - page_cache, shmem, page_cache
 
     def bound(self, held: int, shmem: int) -> None:
@@ -176,7 +179,10 @@ class Cgroup:
 
 
 def device_read_bytes(counter: dict) -> int:
-    """Bytes read so far from the device a counter (from :meth:`Cgroup.counter` or the emulated store) names."""
+    """Bytes read so far from the device a counter names: :meth:`Cgroup.counter`, the emulated store's
+    ``{"kind": "emulated", "socket": path}``, or ``{"kind": "none"}`` (always 0)."""
+    if counter["kind"] == "none":
+        return 0
     if counter["kind"] == "emulated":
         from benchmarks.emulated_store import StoreClient
 

@@ -1,8 +1,8 @@
 """The systems under test: how each is built, and the training stand-in that runs its epochs.
 
 Runs as a child process, one per system and cache size (``python -m benchmarks.systems SPEC``,
-SPEC a JSON object written by :func:`child_command`); prints one JSON line per epoch, then one with
-the cache's fill. Every system reads the same ImageFolder tree with the same augmentation
+SPEC a JSON object written by :func:`child_command`); prints JSON lines: the time to build the
+loader, one per epoch, then the cache's fill. Every system reads the same ImageFolder tree with the same augmentation
 (random-resized crop to 224, horizontal flip) and the same batch size and number of workers / threads.
 """
 

@@ -59,3 +59,12 @@ def test_client_travels_to_other_processes_and_reports_missing_files(store, file
     assert os.waitpid(pid, 0)[1] == 0
     with pytest.raises(OSError, match="could not read"):
         client.read(files[0] + ".missing")
+
+
+def test_threads_of_one_process_each_get_their_own_answers(store, files):
+    import concurrent.futures
+
+    client = StoreClient(store.socket_path)  # as coordl's DALI backend fetches: threads share the client
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        data = list(pool.map(client.read, files * 3))
+    assert data == [bytes([i]) * 100_000 for i in range(3)] * 3
