@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -119,7 +120,8 @@ class Cgroup:
             _write(os.path.join(memory_dir, "memory.oom_control"), 1)
             _write(os.path.join(io_dir, "blkio.throttle.read_bps_device"), f"{device} {read_bps}")
         else:
-            _write(os.path.join(memory_dir, "memory.swap.max"), 0)
+            if os.path.exists(os.path.join(memory_dir, "memory.swap.max")):
+                _write(os.path.join(memory_dir, "memory.swap.max"), 0)
             _write(os.path.join(io_dir, "io.max"), f"{device} rbps={read_bps}")
         self.bound(0, 0)
 
@@ -212,8 +214,6 @@ class Cleanup(contextlib.ExitStack):
 
     def workdir(self, parent: str) -> str:
         """A fresh folder under ``parent``, removed at the end."""
-        import tempfile
-
         path = tempfile.mkdtemp(prefix=f"{PREFIX}-", dir=parent)
         self.callback(shutil.rmtree, path, ignore_errors=True)
         return path
