@@ -314,7 +314,8 @@ class FileReaderLoader:
         with pipe:
             shuffle = dict(random_shuffle=True, initial_fill=1024) if order == "seq" else \
                 dict(shuffle_after_epoch=True, shuffle_after_epoch_seed=seed)
-            encoded, labels = fn.readers.file(file_root=root, name="Reader", **shuffle)
+            # plain reads rather than mmap: a mapped file can fail to map under a memory limit
+            encoded, labels = fn.readers.file(file_root=root, name="Reader", dont_use_mmap=True, **shuffle)
             outputs = pipeline_fn(encoded, fn.cast(labels, dtype=_int64()), device=device, train=train)
             pipe.set_outputs(*outputs)
         self._names = [f"out{k}" for k in range(len(outputs))]
