@@ -1,5 +1,6 @@
 """coordl: a drop-in ``torch.utils.data.DataLoader`` that removes data stalls."""
 
+from coordl.coco import CocoDetection
 from coordl.coord_prep import GroupStats
 from coordl.exceptions import CacheMismatchError, CoordlError, GroupMismatchError, SampleError, ShmCapacityError, \
     StagingError
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheMismatchError",
     "CacheStats",
+    "CocoDetection",
     "CoordlError",
     "DataLoader",
     "EpochStats",

@@ -69,6 +69,26 @@ def _auto_capacity(dataset_bytes: int) -> int:
     return capacity
 
 
+def _use_dali(backend, dataset, batch_size, batch_sampler) -> bool:
+    """Whether ``backend=`` means the DALI backend for this dataset (checks what can be checked up front)."""
+    if backend not in ("torch", "dali", "auto"):
+        raise ValueError(f"backend should be 'torch', 'dali' or 'auto', but got backend={backend!r}")
+    if backend == "torch":
+        return False
+    from coordl.dali_pipeline import dali_available, require_dali, target_reader
+    unbatched = batch_size is None and batch_sampler is None
+    source, why = raw_source(dataset.dataset if isinstance(dataset, CachedDataset) else dataset,
+                             decode=False)
+    if source is not None:
+        why = target_reader(source)[1] or ("batch_size=None (DALI works on batches)" if unbatched else "")
+    if backend == "auto":
+        return dali_available() and not why
+    require_dali()
+    if why:
+        raise TypeError(f"backend='dali' cannot load {type(dataset).__name__}: {why}")
+    return True
+
+
 class DataLoader(torch.utils.data.DataLoader):
     """Drop-in ``torch.utils.data.DataLoader`` that caches raw sample bytes node-wide (MinIO policy).
 
@@ -89,6 +109,17 @@ class DataLoader(torch.utils.data.DataLoader):
         drop_page_cache: after reading a miss from storage, drop its pages from the OS page cache
             so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
         progress: show a tqdm progress bar per epoch. Defaults to False.
+        backend: who decodes and augments. ``"torch"``: the dataset's own code in torch's worker
+            processes. ``"dali"``: a DALI pipeline (``dali_pipeline``) fed with the raw bytes from
+            the same cache; it replaces the dataset's transforms and yields the pipeline's outputs.
+            ``"auto"``: DALI when it is installed and can read the dataset, else torch.
+            Defaults to ``"torch"``.
+        dali_pipeline: ``"image_classification"``, ``"object_detection"``, ``"audio_classification"``
+            or a function ``(encoded, target, *, device, train) -> outputs`` building a DALI graph
+            (see :mod:`coordl.dali_presets`). Defaults to ``"image_classification"``.
+        dali_device: ``"cpu"`` or ``"gpu"`` (GPU decoding; outputs on the GPU). Defaults to ``"cpu"``.
+        dali_train: use the preset's training augmentation rather than its eval transform.
+            Defaults to None: training when the loader shuffles.
         hp_group: name of a hyperparameter-search group to coordinate prep with: jobs on this machine
             that pass the same name share one epoch plan, each prepares only its share of the
             minibatches, and every job gets every minibatch (the same augmented batches in every job).
@@ -118,42 +149,58 @@ class DataLoader(torch.utils.data.DataLoader):
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
                  pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, drop_page_cache=None,
-                 progress=False, hp_group=None, hp_group_size=None, hp_staging_bytes="auto",
+                 progress=False, backend="torch", dali_pipeline="image_classification", dali_device="cpu",
+                 dali_train=None, hp_group=None, hp_group_size=None, hp_staging_bytes="auto",
                  hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S, hp_group_on_mismatch="raise"):
         configure_from_env()
         capacity = parse_cache_bytes(cache_bytes)
+        use_dali = _use_dali(backend, dataset, batch_size, batch_sampler)
         staging_bytes = None
         if hp_group is not None:
             staging_bytes = check_group_options(hp_group, hp_group_size, hp_staging_bytes, hp_group_timeout_s,
                                                 hp_group_on_mismatch)
             check_group_compatible(dataset, sampler, batch_sampler, batch_size, in_order)
+            if use_dali:
+                raise ValueError("hp_group works with backend='torch' only: coordinated prep stages the batches "
+                                 "of torch's workers")
         if cache_name is not None and (not isinstance(cache_name, str) or not cache_name):
             raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
         self.cache_bytes = cache_bytes
         self.cache_name = cache_name
         self.drop_page_cache = drop_page_cache
         self.progress = progress
+        self.backend, self.dali_pipeline, self.dali_device, self.dali_train = \
+            backend, dali_pipeline, dali_device, dali_train
         self._epochs: list[EpochStats] = []
-        self._current: tuple | None = None  # (epoch, its counters, their totals at its start, start time)
+        self._current: tuple | None = None  # (epoch, counters, their totals at its start, start time, group counters)
         self._last_pass = None  # weakref to torch's iterator of the latest pass
         self._last_cache_stats = None
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
         self._group = self._share = self._coordinated = self._last_group_stats = None
+        wrapped = self._wrap(dataset, capacity, num_workers, decode=not use_dali)
+        self._dali = None
+        if use_dali:
+            from coordl.dali_pipeline import DaliBackend
+            self._dali = DaliBackend(
+                wrapped, pipeline=dali_pipeline, device=dali_device,
+                train=bool(shuffle or sampler is not None) if dali_train is None else bool(dali_train),
+                batch_size=batch_size or 1, fetch_threads=max(num_workers, 1), dali_threads=max(num_workers, 1),
+                prefetch_batches=(prefetch_factor or 2) * max(num_workers, 1), pin_memory=pin_memory)
         super().__init__(
-            self._wrap(dataset, capacity, num_workers), batch_size, shuffle, sampler, batch_sampler, num_workers,
+            wrapped, batch_size, shuffle, sampler, batch_sampler, num_workers,
             collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order)
         if hp_group is not None:
             self._group = self._join_group(staging_bytes)
 
-    def _wrap(self, dataset, capacity: int | None, num_workers: int):
+    def _wrap(self, dataset, capacity: int | None, num_workers: int, decode: bool):
         """The dataset torch will see: the user's dataset behind coordl's fetch path."""
         fingerprint = None
         if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
             fingerprint, dataset = dataset.fingerprint, dataset.dataset
-        source, why = raw_source(dataset)
+        source, why = raw_source(dataset, decode=decode)
         if source is None:
             warnings.warn(f"coordl cannot cache {type(dataset).__name__}: {why}. It is loaded uncached, as torch "
                           f"would. Implement coordl.RawBytesDataset to cache it.", stacklevel=3)
@@ -230,6 +277,8 @@ class DataLoader(torch.utils.data.DataLoader):
         started = time.perf_counter()
         group_counters = GroupCounters() if self._group is not None else None
         self._current = (epoch, counters, counters.totals() if counters else {}, started, group_counters)
+        if self._dali is not None:
+            return _EpochIterator(self, self._dali_epoch(), epoch, counters)
         if self._group is None:
             inner = super().__iter__()
             self._last_pass = weakref.ref(inner)
@@ -257,6 +306,13 @@ class DataLoader(torch.utils.data.DataLoader):
         if coordinated is not None:
             coordinated.close()
         self._coordinated = None
+
+    def _dali_epoch(self):
+        """This epoch's plan, drawn as torch's iterator draws it (same order for the same generator),
+        handed to the DALI pipeline."""
+        sampler_iter = iter(self._index_sampler)
+        seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+        return self._dali.epoch([list(batch) for batch in sampler_iter], seed)
 
     def _pass_counters(self) -> SampleCounters | None:
         """The counters the coming pass's fetches land in.
@@ -335,6 +391,8 @@ class DataLoader(torch.utils.data.DataLoader):
             if hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
         self._iterator = self._last_pass = None
+        if self._dali is not None:
+            self._dali.close()
         self._cache_stats()
         cache = getattr(self.dataset, "cache", None)
         if cache is not None:

@@ -118,9 +118,17 @@ class DatasetFolderSource:
             target = ds.target_transform(target)
         return sample, target
 
+    def dali_target(self, index: int) -> int:
+        """The class index, for the DALI backend."""
+        return self.dataset.samples[index][1]
 
-def raw_source(dataset) -> tuple[RawBytesDataset | None, str]:
-    """How coordl reads ``dataset``'s raw bytes: (source, "") or (None, why it cannot)."""
+
+def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, str]:
+    """How coordl reads ``dataset``'s raw bytes: (source, "") or (None, why it cannot).
+
+    With ``decode=False`` (the DALI backend, which decodes itself) only the files matter, so any
+    ``DatasetFolder`` qualifies, whatever its loader.
+    """
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return None, "it is an IterableDataset (samples have no index to cache by)"
     if isinstance(dataset, RawBytesDataset):
@@ -132,6 +140,8 @@ def raw_source(dataset) -> tuple[RawBytesDataset | None, str]:
     except ImportError:
         DatasetFolder = None
     if DatasetFolder is not None and isinstance(dataset, DatasetFolder):
+        if not decode:
+            return DatasetFolderSource(dataset), ""
         if type(dataset).__getitem__ is not DatasetFolder.__getitem__:
             return None, f"{type(dataset).__name__} overrides __getitem__"
         if dataset.loader not in (default_loader, pil_loader) or get_image_backend() != "PIL":

@@ -1,0 +1,81 @@
+"""Derived figures of a benchmark run: hit rates, steady-epoch means, speedups, the physical bound.
+
+Epoch 1 fills the caches from a cold start; epochs 2.. are the steady epochs every comparison uses.
+"""
+
+import statistics
+
+from benchmarks.cache_sim import simulate
+
+BASELINES = ("torch", "dali-seq", "dali-shuffle")
+SIM_POLICY = {"torch": ("lru", "random"), "dali-shuffle": ("lru", "random"), "dali-seq": ("lru", "sequential"),
+              "coordl": ("minio", "random"), "coordl-dali": ("minio", "random")}
+"""How each system's cache behaves in :mod:`benchmarks.cache_sim`: the page cache is an LRU;
+DALI-seq reads in file order."""
+PREP_REFERENCE = {"torch": "coordl", "coordl": "coordl", "dali-seq": "coordl-dali", "dali-shuffle": "coordl-dali",
+                  "coordl-dali": "coordl-dali"}
+"""The system whose fully cached run (cache fraction 1.0: nothing to read) measures a system's prep
+rate: the same decode and augmentation (torch workers, or the DALI pipeline)."""
+
+
+def add_hits(run: dict, file_sizes: list[int]) -> None:
+    """Give every epoch of ``run`` ``hits``, ``hit_rate`` and ``simulated_hit_rate``.
+
+    coordl's hits are its loader's counters. The page cache's are estimated from the device:
+    samples minus (device bytes read / mean file size); ``hits_source`` says which.
+    """
+    epochs = run["epochs"]
+    mean_size = sum(file_sizes) / len(file_sizes)
+    policy, order = SIM_POLICY[run["system"]]
+    simulated = simulate(policy, run["cache_fraction"], len(epochs), sizes=file_sizes, order=order)
+    for e, sim in zip(epochs, simulated):
+        if "hits" not in e:
+            misses = min(e["samples"], round(e["device_read_bytes"] / mean_size))
+            e.update(hits=e["samples"] - misses, hits_source="estimated from device bytes")
+        else:
+            e["hits_source"] = "loader counters"
+        e["hit_rate"] = e["hits"] / e["samples"] if e["samples"] else 0.0
+        e["simulated_hit_rate"] = sim
+
+
+def steady(run: dict) -> dict:
+    """Means over the steady epochs (all epochs if there is only one)."""
+    epochs = run["epochs"][1:] or run["epochs"]
+    mean = lambda key: statistics.fmean(e[key] for e in epochs)  # noqa: E731
+    return {"time_s": mean("time_s"), "samples_per_s": mean("samples_per_s"), "stall_s": mean("stall_s"),
+            "device_read_bytes": mean("device_read_bytes"), "hit_rate": mean("hit_rate"),
+            "simulated_hit_rate": mean("simulated_hit_rate"), "batches": mean("batches")}
+
+
+def measured(runs: list[dict]) -> list[dict]:
+    """The runs that have epochs (not skipped, not failed)."""
+    return [r for r in runs if r["epochs"]]
+
+
+def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: float) -> None:
+    """Give every measured run a ``steady`` entry: steady-epoch means, the physical bound, and for
+    coordl's runs the speedup over each baseline at the same cache fraction.
+
+    The bound of a steady epoch is the largest of: the bytes that must come from storage (dataset
+    minus what the cache holds) at the throttled bandwidth; the training stand-in's compute; and,
+    when coordl ran with the same prep at cache fraction 1.0, its steady epoch with nothing to read
+    (the prep rate, as DS-Analyzer measures it; see :data:`PREP_REFERENCE`).
+    """
+    by_key = {(r["system"], r["cache_fraction"]): r for r in measured(runs)}
+    for run in by_key.values():
+        s = steady(run)
+        cached = run["cache"]["bytes_cached"] if run.get("cache") else int(run["cache_fraction"] * dataset_bytes)
+        must_read = max(0, dataset_bytes - cached)
+        full = by_key.get((PREP_REFERENCE[run["system"]], 1.0))
+        bounds = {"io_bound_s": must_read / bandwidth, "compute_bound_s": s["batches"] * compute_ms / 1000,
+                  "prep_bound_s": steady(full)["time_s"] if full else None}
+        bound = max(v for v in bounds.values() if v is not None)
+        run["steady"] = {**s, "min_device_read_bytes": must_read,
+                         "excess_read": s["device_read_bytes"] / must_read - 1 if must_read else None,
+                         **bounds, "bound_s": bound, "of_bound": s["time_s"] / bound if bound else None,
+                         "speedup": {}}
+        if run["system"] not in BASELINES:
+            for base in BASELINES:
+                other = by_key.get((base, run["cache_fraction"]))
+                if other:
+                    run["steady"]["speedup"][base] = steady(other)["time_s"] / s["time_s"]

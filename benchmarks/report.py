@@ -1,0 +1,163 @@
+"""Writes a benchmark's results: ``results.json``, ``results.md`` and PNG plots (if matplotlib is installed)."""
+
+import json
+import os
+
+from benchmarks.metrics import measured
+
+MIB = 2**20
+NO_PLOTS = "plots skipped: matplotlib is not installed (pip install 'coordl[bench]')"
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def markdown(result: dict, setup: dict) -> str:
+    """The run's setup, one row per system × cache fraction × epoch, and the steady-epoch summary."""
+    cfg, dataset = setup["config"], result["dataset_bytes"]
+    lines = [
+        f"storage_mode: **{result['storage_mode']}** ({setup['storage_detail']}); "
+        f"bandwidth {result['bandwidth_bytes_per_s'] / MIB:.1f} MiB/s; dataset {cfg['images']} JPEGs, "
+        f"{dataset / MIB:.1f} MiB; batch {cfg['batch_size']}, {cfg['workers']} workers, "
+        f"compute {cfg['compute_ms']:g} ms/batch; machine: {setup['machine']['summary']}.",
+        "",
+        "| system | cache | epoch | time_s | samples/s | stall_s | device MiB | of dataset | hits | hit % | simulated hit % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = measured(result["runs"])
+    for run in runs:
+        for e in run["epochs"]:
+            hits = f"{e['hits']}" + ("" if e["hits_source"] == "loader counters" else " (est.)")
+            lines.append(
+                f"| {run['system']} | {run['cache_fraction']:.0%} | {e['epoch']} | {e['time_s']:.2f} | "
+                f"{e['samples_per_s']:.0f} | {e['stall_s']:.2f} | {e['device_read_bytes'] / MIB:.1f} | "
+                f"{e['device_read_bytes'] / dataset:.0%} | {hits} | {_pct(e['hit_rate'])} | "
+                f"{_pct(e['simulated_hit_rate'])} |")
+    lines += ["", "Steady epochs (2..):", "",
+              "| system | cache | time_s | stall_s | device MiB | minimum MiB | excess read | bound_s | of bound | speedup |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        r = run["steady"]
+        speedup = ", ".join(f"{v:.2f}× vs {k}" for k, v in r["speedup"].items()) or "–"
+        lines.append(
+            f"| {run['system']} | {run['cache_fraction']:.0%} | {r['time_s']:.2f} | {r['stall_s']:.2f} | "
+            f"{r['device_read_bytes'] / MIB:.1f} | {r['min_device_read_bytes'] / MIB:.1f} | "
+            f"{_pct(r['excess_read'])} | {r['bound_s']:.2f} | {r['of_bound']:.2f}× | {speedup} |")
+    lines.append("")
+    for run in result["runs"]:
+        if not run["epochs"]:
+            why = f"skipped: {run['skipped']}" if "skipped" in run else f"FAILED: {run['error'][-300:]}"
+            lines.append(f"- {run['system']} at {run['cache_fraction']:.0%}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_results(result: dict, out_dir: str) -> list[str]:
+    """``steady_time.png`` (steady epoch time per system and cache fraction), ``device_bytes.png``
+    (device bytes per epoch) and ``hit_rates.png`` (measured and simulated hit rate per epoch), one
+    panel per cache fraction. Returns the files written ([] without matplotlib)."""
+    plt, runs = _pyplot(), measured(result["runs"])
+    if plt is None or not runs:
+        return []
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    fractions = sorted({r["cache_fraction"] for r in runs})
+    steady = {(r["system"], r["cache_fraction"]): r["steady"] for r in runs}
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j, f in enumerate(fractions) if (system, f) in steady]
+        ys = [steady[system, f]["time_s"] for f in fractions if (system, f) in steady]
+        ax.bar(xs, ys, width, label=system)
+    bounds = [(1 - f) * result["dataset_bytes"] / result["bandwidth_bytes_per_s"] for f in fractions]
+    ax.scatter([j + 0.4 - width / 2 for j in range(len(fractions))], bounds, marker="_", s=400, color="k",
+               label="storage bound")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(fractions))], [f"{f:.0%}" for f in fractions])
+    ax.set_xlabel("cache / memory budget (fraction of dataset)")
+    ax.set_ylabel("steady epoch time (s)")
+    ax.set_title(f"Steady epoch time ({result['storage_mode']} storage)")
+    ax.legend(fontsize=8)
+    written.append(_save(fig, plt, os.path.join(out_dir, "steady_time.png")))
+
+    written.append(_per_fraction(plt, runs, fractions, os.path.join(out_dir, "device_bytes.png"), "device read (MiB)",
+                                 lambda e: e["device_read_bytes"] / MIB,
+                                 lambda f: (1 - f) * result["dataset_bytes"] / MIB, "dataset − cache"))
+    written.append(_per_fraction(plt, runs, fractions, os.path.join(out_dir, "hit_rates.png"),
+                                 "hit rate (dashed: simulated)", lambda e: e["hit_rate"], lambda f: f,
+                                 "cache fraction", simulated=True))
+    return written
+
+
+def _per_fraction(plt, runs, fractions, path, ylabel, value, reference, reference_label, simulated=False) -> str:
+    """One panel per cache fraction: ``value(epoch)`` against epoch for every system (and, with
+    ``simulated``, its simulated hit rate dashed), with a dotted reference line."""
+    fig, axes = plt.subplots(1, len(fractions), figsize=(4 * len(fractions), 3.5), squeeze=False, sharey=True)
+    for ax, fraction in zip(axes[0], fractions):
+        for i, run in enumerate(r for r in runs if r["cache_fraction"] == fraction):
+            epochs, color = [e["epoch"] for e in run["epochs"]], f"C{i}"
+            ax.plot(epochs, [value(e) for e in run["epochs"]], marker="o", color=color, label=run["system"])
+            if simulated:
+                ax.plot(epochs, [e["simulated_hit_rate"] for e in run["epochs"]], linestyle="--", color=color)
+        ax.axhline(reference(fraction), color="k", linestyle=":", label=reference_label)
+        ax.set_title(f"cache {fraction:.0%}")
+        ax.set_xlabel("epoch")
+        ax.set_xticks(sorted({e["epoch"] for r in runs for e in r["epochs"]}))
+        ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
+def plot_cache_sim(rows: list[dict], path: str) -> bool:
+    """Simulated hit rate per epoch, one panel per cache fraction. False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fractions = sorted({r["cache_fraction"] for r in rows})
+    fig, axes = plt.subplots(1, len(fractions), figsize=(4 * len(fractions), 3.5), squeeze=False, sharey=True)
+    for ax, fraction in zip(axes[0], fractions):
+        for r in rows:
+            if r["cache_fraction"] == fraction:
+                ax.plot(range(1, len(r["hit_rates"]) + 1), r["hit_rates"], marker="o",
+                        label=f"{r['policy']} ({r['order']})")
+        ax.axhline(fraction, color="k", linestyle=":", label="cache fraction")
+        ax.set_title(f"cache {fraction:.0%}")
+        ax.set_xlabel("epoch")
+    axes[0][0].set_ylabel("hit rate")
+    axes[0][-1].legend(fontsize=8)
+    _save(fig, plt, path)
+    return True
+
+
+def _save(fig, plt, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict, setup: dict, out_dir: str) -> list[str]:
+    """Write ``results.json`` (``result``), ``setup.json`` (``setup``: machine, configuration, the
+    simulated hit rates), ``results.md`` and the plots into ``out_dir``; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    plots = plot_results(result, out_dir)
+    setup["plots"] = [os.path.basename(p) for p in plots] or NO_PLOTS
+    paths = [os.path.join(out_dir, name) for name in ("results.json", "setup.json", "results.md")]
+    for path, content in zip(paths, (result, setup)):
+        with open(path, "w") as f:
+            json.dump(content, f, indent=2)
+    with open(paths[2], "w") as f:
+        f.write(markdown(result, setup))
+    return paths + plots

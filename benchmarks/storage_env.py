@@ -1,0 +1,277 @@
+"""The storage environment of a benchmark run: throttled disk, bounded memory, cold page cache, cleanup.
+
+In ``cgroup`` mode every system runs in its own memory + I/O cgroup (v1: ``memory`` and ``blkio``
+hierarchies; v2: one group with ``memory.max`` and ``io.max``): reads from the dataset's disk are
+throttled to the set bandwidth and counted by the kernel, and page cache + shared memory + RSS are
+bounded. In ``emulated`` mode (no root, no cgroups, or the dataset on a virtual filesystem) an
+:mod:`~benchmarks.emulated_store` plays the disk and the page cache.
+
+Everything created here (cgroups, process groups, the work folder, coordl caches named by the run)
+is registered with :class:`Cleanup` and removed on exit, failure, Ctrl-C or SIGTERM.
+"""
+
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PREFIX = "coordl-bench"
+HEADROOM_BYTES = 16 * 2**20
+"""The least room a group has beyond what it holds, for allocations between two updates of its bound
+(shared memory cannot wait for reclaim). A page-cache budget counts towards it."""
+
+
+def _write(path: str, value) -> None:
+    with open(path, "w") as f:
+        f.write(f"{value}\n")
+
+
+def cgroup_version() -> int | None:
+    """1 or 2 if this process may create the cgroups a run needs, else None."""
+    if os.geteuid() != 0:
+        return None
+    if all(os.path.isdir(os.path.join(CGROUP_ROOT, c)) for c in ("memory", "blkio")):
+        return 1
+    controllers = os.path.join(CGROUP_ROOT, "cgroup.controllers")
+    if os.path.exists(controllers):
+        with open(controllers) as f:
+            if {"memory", "io"} <= set(f.read().split()):
+                return 2
+    return None
+
+
+def block_device(path: str) -> str | None:
+    """``MAJ:MIN`` of the whole disk holding ``path``, or None on a virtual filesystem (tmpfs, overlay)."""
+    dev = os.stat(path).st_dev
+    if os.major(dev) == 0:
+        return None
+    sys_dir = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if os.path.exists(os.path.join(sys_dir, "partition")):  # throttle rules name whole disks
+        sys_dir = os.path.dirname(sys_dir)
+    try:
+        with open(os.path.join(sys_dir, "dev")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def choose_mode(requested: str, data_dir: str) -> tuple[str, int | None, str | None, str]:
+    """(mode, cgroup version, device, why) for ``requested`` in {"auto", "cgroup", "emulated"}.
+
+    Raises:
+        SystemExit: ``cgroup`` was requested and is not possible here.
+    """
+    version, device = cgroup_version(), block_device(data_dir)
+    if requested == "emulated":
+        return "emulated", None, None, "requested"
+    if version and device:
+        return "cgroup", version, device, f"cgroup v{version}, dataset on block device {device}"
+    why = ("needs root and cgroup v1 (memory, blkio) or v2 (memory, io)" if not version
+           else f"{data_dir} is not on a block device")
+    if requested == "cgroup":
+        raise SystemExit(f"cgroup mode unavailable: {why}")
+    return "emulated", None, None, f"cgroup mode unavailable: {why}"
+
+
+def evict_files(root: str) -> None:
+    """Drop every file under ``root`` from the OS page cache (the part of ``drop_caches`` that matters,
+    without evicting the libraries every system would then re-read through the throttle)."""
+    os.sync()  # dirty pages are not evicted
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+class Cgroup:
+    """The memory + I/O cgroup(s) of one system's run.
+
+    Reads from ``device`` (``MAJ:MIN``, the dataset's disk) are throttled to ``read_bps``. Memory is
+    bounded to what the processes hold (all but unmapped page cache) plus ``page_cache_bytes`` (at least
+    :data:`HEADROOM_BYTES`), so the page cache gets that much whatever the loader's own footprint;
+    :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
+    from the start, so that the cache can be allocated. The kernel does not kill for memory in the
+    group (v1: ``oom_control``; v2: ``memory.high`` throttles): a process that outgrows the limit
+    waits for the next :meth:`bound`.
+    """
+
+    def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int,
+                 shm_reserve_bytes: int = 0):
+        self.version, self.device = version, device
+        self.page_cache_bytes, self.shm_reserve_bytes = page_cache_bytes, shm_reserve_bytes
+        if version == 1:
+            self.dirs = [os.path.join(CGROUP_ROOT, "memory", name), os.path.join(CGROUP_ROOT, "blkio", name)]
+        else:
+            _write(os.path.join(CGROUP_ROOT, "cgroup.subtree_control"), "+memory +io")
+            self.dirs = [os.path.join(CGROUP_ROOT, name)]
+        for d in self.dirs:
+            os.makedirs(d)
+        memory_dir, io_dir = self.dirs[0], self.dirs[-1]
+        if version == 1:
+            _write(os.path.join(memory_dir, "memory.oom_control"), 1)
+            _write(os.path.join(io_dir, "blkio.throttle.read_bps_device"), f"{device} {read_bps}")
+        else:
+            if os.path.exists(os.path.join(memory_dir, "memory.swap.max")):
+                _write(os.path.join(memory_dir, "memory.swap.max"), 0)
+            _write(os.path.join(io_dir, "io.max"), f"{device} rbps={read_bps}")
+        self.bound(0, 0)
+
+    def counter(self) -> dict:
+        """How a process reads this group's device bytes: see :func:`device_read_bytes`."""
+        if self.version == 1:
+            return {"kind": "cgroup1", "file": os.path.join(self.dirs[1], "blkio.throttle.io_service_bytes"),
+                    "device": self.device}
+        return {"kind": "cgroup2", "file": os.path.join(self.dirs[0], "io.stat"), "device": self.device}
+
+    def join(self) -> None:
+        """Move the calling process into the group(s) (its children are born there)."""
+        for d in self.dirs:
+            _write(os.path.join(d, "cgroup.procs"), os.getpid())
+
+    def memory(self) -> tuple[int, int, int]:
+        """(held, shared, page cache) bytes charged to the group. The page cache is file pages that
+        no process maps; held is everything else: anonymous and shared memory, mapped files (such
+        as the samples in DALI's reader buffer), and the kernel's own (page tables, slab, sockets)."""
+        memory_dir = self.dirs[0]
+        with open(os.path.join(memory_dir, "memory.stat")) as f:
+            stat = dict(line.split() for line in f)
+        usage_file = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        with open(os.path.join(memory_dir, usage_file)) as f:
+            usage = int(f.read())
+        v1 = self.version == 1
+        shmem = int(stat["total_shmem" if v1 else "shmem"])
+        mapped = int(stat["total_mapped_file" if v1 else "file_mapped"])
+        page_cache = max(0, int(stat["total_cache" if v1 else "file"]) - shmem - mapped)
+        return usage - page_cache, shmem, page_cache
+
+    def bound(self, held: int, shmem: int) -> None:
+        """Set the memory limit for these holdings (lowering it reclaims page cache)."""
+        limit = held + max(0, self.shm_reserve_bytes - shmem) + max(self.page_cache_bytes, HEADROOM_BYTES)
+        name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
+        with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
+            _write(os.path.join(self.dirs[0], name), limit)
+
+    def remove(self) -> None:
+        """Kill what is left in the group, then remove it."""
+        for d in self.dirs:
+            for _ in range(100):
+                try:
+                    with open(os.path.join(d, "cgroup.procs")) as f:
+                        pids = [int(p) for p in f.read().split()]
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    if d == self.dirs[0] and pids:
+                        self.bound(10**15, 0)  # wake tasks waiting for memory so that they can die
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # tasks still exiting
+                    time.sleep(0.05)
+
+
+def device_read_bytes(counter: dict) -> int:
+    """Bytes read so far from the device a counter names: :meth:`Cgroup.counter`, the emulated store's
+    ``{"kind": "emulated", "socket": path}``, or ``{"kind": "none"}`` (always 0)."""
+    if counter["kind"] == "none":
+        return 0
+    if counter["kind"] == "emulated":
+        from benchmarks.emulated_store import StoreClient
+
+        return StoreClient(counter["socket"]).device_read_bytes()
+    with open(counter["file"]) as f:
+        lines = [line.split() for line in f]
+    if counter["kind"] == "cgroup1":
+        return sum(int(w[2]) for w in lines if len(w) == 3 and w[0] == counter["device"] and w[1] == "Read")
+    for w in lines:
+        if w and w[0] == counter["device"]:
+            return int(dict(kv.split("=") for kv in w[1:]).get("rbytes", 0))
+    return 0
+
+
+class Cleanup(contextlib.ExitStack):
+    """Undo everything a run created, in reverse order, also on Ctrl-C and SIGTERM.
+
+    ``with Cleanup() as cleanup: cleanup.callback(...)``; SIGTERM is turned into KeyboardInterrupt
+    while it is active so that the same path runs.
+    """
+
+    def __enter__(self) -> "Cleanup":
+        super().__enter__()
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        self.callback(signal.signal, signal.SIGTERM, previous)
+        return self
+
+    def workdir(self, parent: str) -> str:
+        """A fresh folder under ``parent``, removed at the end."""
+        path = tempfile.mkdtemp(prefix=f"{PREFIX}-", dir=parent)
+        self.callback(shutil.rmtree, path, ignore_errors=True)
+        return path
+
+    def cgroup(self, *args, **kwargs) -> Cgroup:
+        """A :class:`Cgroup`, removed at the end."""
+        group = Cgroup(*args, **kwargs)
+        self.callback(group.remove)
+        return group
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction.
+
+    Every 20 ms while it runs, the cgroup's memory bound follows what its processes hold (the most
+    in the last second: a batch's memory, freed and taken again, is not turned into page cache and
+    back). Returns the
+    finished process and memory figures (bytes): peak and mean held, mean and peak page cache (empty
+    without a cgroup). The whole process group is killed when this returns, early or not (timeout,
+    Ctrl-C, error).
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
+    samples, done = [], threading.Event()
+
+    def follow() -> None:
+        recent = collections.deque()  # (time, held): the bound follows the most held in the last second,
+        while not done.wait(0.02):    # so that memory a loader frees and re-takes each batch stays its own
+            with contextlib.suppress(OSError):
+                held, shmem, page_cache = cgroup.memory()
+                now = time.monotonic()
+                recent.append((now, held))
+                while recent[0][0] < now - 1:
+                    recent.popleft()
+                cgroup.bound(max(h for _, h in recent), shmem)
+                samples.append((held, page_cache))
+
+    follower = threading.Thread(target=follow, daemon=True) if cgroup else None
+    try:
+        if follower:
+            follower.start()
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        done.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the child's workers, if it left any
+        if follower:
+            follower.join()
+        if cgroup:
+            cgroup.bound(10**15, 0)  # tasks of a killed group may be waiting for memory
+        proc.wait()
+    memory = {}
+    if samples:
+        held, cache = zip(*samples)
+        memory = {"peak_held_bytes": max(held), "mean_held_bytes": int(sum(held) / len(held)),
+                  "mean_page_cache_bytes": int(sum(cache) / len(cache)), "peak_page_cache_bytes": max(cache)}
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), memory

@@ -1,0 +1,172 @@
+"""The systems under test: how each is built, and the training stand-in that runs its epochs.
+
+Runs as a child process, one per system and cache size (``python -m benchmarks.systems SPEC``,
+SPEC a JSON object written by :func:`child_command`); prints JSON lines: the time to build the
+loader, one per epoch, then the cache's fill. Every system reads the same ImageFolder tree with the same augmentation
+(random-resized crop to 224, horizontal flip) and the same batch size and number of workers / threads.
+"""
+
+import collections
+import importlib.util
+import inspect
+import json
+import sys
+import time
+
+SYSTEMS = ("torch", "dali-seq", "dali-shuffle", "coordl", "coordl-dali")
+COORDL_SYSTEMS = ("coordl", "coordl-dali")
+
+
+def skip_reason(system: str, storage_mode: str) -> str | None:
+    """Why ``system`` cannot run here, or None if it can. Imports only what it checks."""
+    if system not in SYSTEMS:
+        return f"unknown system (known: {', '.join(SYSTEMS)})"
+    if system in ("torch", "coordl"):
+        return None
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
+        return "nvidia.dali is not installed (pip install 'coordl[dali]')"
+    if system.startswith("dali-"):
+        if storage_mode == "emulated":
+            return "DALI's file reader reads the disk itself; it cannot use the emulated store"
+        try:
+            from coordl.dali_pipeline import file_reader_loader  # noqa: F401
+        except ImportError as e:
+            return f"coordl.dali_pipeline.file_reader_loader is unavailable ({e})"
+        return None
+    import coordl
+
+    if "backend" not in inspect.signature(coordl.DataLoader).parameters:
+        return "coordl.DataLoader has no backend= argument (the DALI backend is not available)"
+    return None
+
+
+def child_command(spec: dict) -> list[str]:
+    """The command that runs one system as described by ``spec`` (see :func:`run`)."""
+    return [sys.executable, "-m", "benchmarks.systems", json.dumps(spec)]
+
+
+def _torch_transform():
+    from torchvision import transforms as T
+
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.PILToTensor()])
+
+
+class _StoreImageLoader:
+    """ImageFolder ``loader=`` that reads files through the emulated store (picklable)."""
+
+    def __init__(self, socket_path: str):
+        from benchmarks.emulated_store import StoreClient
+
+        self.client = StoreClient(socket_path)
+
+    def __call__(self, path: str):
+        import io
+
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self.client.read(path))) as img:
+            return img.convert("RGB")
+
+
+def build_loader(spec: dict):
+    """The loader of ``spec["system"]`` over ``spec["root"]``, and the dataset's labels in index order."""
+    import torch.utils.data
+    import torchvision
+
+    system, root, socket_path = spec["system"], spec["root"], spec.get("store_socket")
+    common = dict(batch_size=spec["batch_size"], shuffle=True, num_workers=spec["workers"],
+                  persistent_workers=spec["workers"] > 0)
+    extra = {} if socket_path is None or system != "torch" else {"loader": _StoreImageLoader(socket_path)}
+    dataset = torchvision.datasets.ImageFolder(root, transform=_torch_transform(), **extra)
+    if system.startswith("dali-"):
+        from coordl.dali_pipeline import file_reader_loader
+
+        loader = file_reader_loader(root, order=system.removeprefix("dali-"), batch_size=spec["batch_size"],
+                                    num_threads=max(spec["workers"], 1), device="cpu", seed=spec["seed"])
+        return loader, dataset.targets
+    if system == "torch":
+        return torch.utils.data.DataLoader(dataset, **common), dataset.targets
+    import coordl
+
+    kwargs = dict(common, cache_bytes=spec["cache_bytes"], cache_name=spec["cache_name"])
+    if system == "coordl-dali":
+        dataset = torchvision.datasets.ImageFolder(root)
+        kwargs.update(backend="dali", dali_pipeline="image_classification", dali_device="cpu")
+    loader = coordl.DataLoader(dataset, **kwargs)
+    if socket_path is not None:  # misses go to the emulated store, as FileStorage would go to disk
+        from benchmarks.emulated_store import StoreClient
+
+        storage = loader.dataset.storage
+        loader.dataset.storage = StoreClient(socket_path, drop_page_cache=storage.drop_page_cache)
+    return loader, dataset.targets
+
+
+def _labels_of(batch) -> list[int]:
+    labels = batch[1]
+    return [int(v) for v in (labels.reshape(-1).tolist() if hasattr(labels, "reshape") else labels)]
+
+
+def train_epoch(loader, compute_s: float) -> dict:
+    """One epoch of the training stand-in: take each batch, then "compute" for ``compute_s``.
+
+    Returns samples, batches, the label histogram, stall_s (time spent waiting for the loader)
+    and compute_s (time spent computing).
+    """
+    stall = compute = 0.0
+    batches = 0
+    labels: collections.Counter[int] = collections.Counter()
+    iterator = iter(loader)
+    while True:
+        started = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            stall += time.perf_counter() - started
+            break
+        stall += time.perf_counter() - started
+        labels.update(_labels_of(batch))
+        batches += 1
+        started = time.perf_counter()
+        time.sleep(compute_s)  # stands in for the forward and backward pass on an accelerator
+        compute += time.perf_counter() - started
+    return {"samples": sum(labels.values()), "batches": batches, "labels": labels, "stall_s": stall,
+            "compute_s": compute}
+
+
+def run(spec: dict) -> None:
+    """Run ``spec["epochs"]`` epochs and print a JSON line for each, then ``{"cache": ...}``.
+
+    spec keys: system, root, batch_size, workers, epochs, compute_ms, cache_bytes, cache_name,
+    seed, counter (see :func:`benchmarks.storage_env.device_read_bytes`), store_socket (emulated
+    mode, else None).
+    """
+    from benchmarks.storage_env import device_read_bytes
+
+    mark, started = device_read_bytes(spec["counter"]), time.perf_counter()
+    loader, targets = build_loader(spec)
+    print(json.dumps({"build_s": time.perf_counter() - started}), flush=True)
+    expected = collections.Counter(targets)
+    for epoch in range(1, spec["epochs"] + 1):
+        started = time.perf_counter()
+        seen = train_epoch(loader, spec["compute_ms"] / 1000)
+        elapsed = time.perf_counter() - started
+        # Counted from the end of the previous epoch (epoch 1: from before the loader was built), so
+        # reads a loader does ahead of an epoch (DALI's prefetch) are never lost.
+        read, mark = mark, device_read_bytes(spec["counter"])
+        row = {"epoch": epoch, "time_s": elapsed, "samples": seen["samples"], "batches": seen["batches"],
+               "samples_per_s": seen["samples"] / elapsed, "device_read_bytes": mark - read,
+               "stall_s": seen["stall_s"], "compute_s": seen["compute_s"],
+               "label_counts_match": seen["labels"] == expected}
+        if spec["system"] in COORDL_SYSTEMS:
+            e = loader.stats().epochs[-1]
+            row.update(hits=e.hits, misses=e.misses, storage_bytes=e.storage_bytes, loader_stall_s=e.stall_s)
+        print(json.dumps(row), flush=True)
+    cache = None
+    if spec["system"] in COORDL_SYSTEMS:
+        cache = loader.stats().as_dict()["cache"]
+        loader.close()
+    print(json.dumps({"cache": cache}), flush=True)
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))

@@ -1,0 +1,336 @@
+"""The DALI backend: DALI pipelines fed with raw bytes from coordl's fetch path; plain-DALI baselines.
+
+coordl owns the order and the fetch path: the loader hands each epoch's batches of indices (torch's
+sampler, so sharding and ``drop_last`` behave as in the torch backend), a pool of fetch threads reads
+each batch's encoded bytes through :meth:`CachedDataset.fetch` (MinIO cache, then storage) ahead
+of time, and DALI's ``fn.external_source`` takes them batch by batch. Decoding and augmentation run
+in DALI's own threads (CPU) or on the GPU ("mixed" decoding).
+
+This module imports DALI; :func:`require_dali` says how to install it when it is missing.
+"""
+
+import collections
+import concurrent.futures
+import importlib.util
+import io
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from coordl.cached_dataset import COUNTER_FIELDS, CachedDataset
+from coordl.exceptions import SampleError
+
+INSTALL_HINT = "pip install 'coordl[dali]'  (or: pip install nvidia-dali-cuda120)"
+PREFETCH_DEPTH = 2
+"""Batches DALI runs ahead of the training loop."""
+
+
+def dali_available() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module entry blocked
+        return False
+
+
+def require_dali() -> None:
+    """Raise ImportError with the install command when DALI is not installed."""
+    if not dali_available():
+        raise ImportError(f"backend='dali' needs NVIDIA DALI, which is not installed. Install it with: {INSTALL_HINT}")
+
+
+def resolve_pipeline(pipeline) -> Callable:
+    """A preset name or a user's pipeline function → the pipeline function."""
+    from coordl.dali_presets import PRESETS
+    if callable(pipeline):
+        return pipeline
+    if pipeline not in PRESETS:
+        raise ValueError(f"dali_pipeline should be one of {sorted(PRESETS)} or a function "
+                         f"(encoded, target, *, device, train) -> outputs, but got dali_pipeline={pipeline!r}")
+    return PRESETS[pipeline]
+
+
+def target_reader(dataset) -> tuple[Callable[[int], tuple] | None, str]:
+    """How to read sample ``i``'s target as numpy arrays for the pipeline: (reader, "") or (None, why).
+
+    ``dali_target(i)`` if the dataset defines it (a label, or a ``(boxes, labels)`` pair; coordl's
+    view of a ``DatasetFolder`` gives the class index), else ``targets[i]`` (:class:`coordl.FileDataset`).
+    """
+    if hasattr(dataset, "dali_target"):
+        def read(i):
+            target = dataset.dali_target(i)
+            return tuple(target) if isinstance(target, tuple) else (np.int64(target),)
+        return read, ""
+    targets = getattr(dataset, "targets", None)
+    if targets is not None:
+        return (lambda i: (np.int64(targets[i]),)), ""
+    return None, f"{type(dataset).__name__} has no labels coordl can read (define dali_target(i) or targets)"
+
+
+def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> tuple[list, list, np.ndarray]:
+    """In a fetch thread: (encoded arrays, target columns, counter deltas) of one batch."""
+    row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
+    encoded = [np.frombuffer(cached.fetch(i, row), dtype=np.uint8) for i in indices]
+    row[COUNTER_FIELDS.index("samples")] += len(indices)
+    columns = [list(column) for column in zip(*(read_target(i) for i in indices))]
+    return encoded, columns, row
+
+
+class _Feeder:
+    """One epoch's supply of batches for ``fn.external_source``: fetches ``depth`` batches ahead."""
+
+    def __init__(self, cached: CachedDataset, read_target, batches: list[list[int]], threads: int, depth: int):
+        self._cached, self._read_target, self._batches = cached, read_target, batches
+        self._counters = cached.counters.table.numpy()[0]  # the main process's row
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="coordl-fetch")
+        self._pending: collections.deque = collections.deque()
+        self._next = 0
+        self.in_flight: collections.deque = collections.deque()  # fed to DALI, not yet out of it
+        for _ in range(max(depth, 1)):
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._next < len(self._batches):
+            indices = self._batches[self._next]
+            self._pending.append((indices, self._pool.submit(_fetch_batch, self._cached, self._read_target,
+                                                             indices)))
+            self._next += 1
+
+    def __call__(self):
+        if not self._pending:
+            raise StopIteration
+        indices, future = self._pending.popleft()
+        encoded, columns, row = future.result()
+        self._submit()
+        self._counters += row
+        self.in_flight.append(indices)
+        return (encoded, *columns)
+
+    def close(self) -> None:
+        for _, future in self._pending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+class DaliBackend:
+    """A loader's DALI pipeline: built at the first epoch, kept across epochs, rebuilt after an
+    abandoned or failed one (its queued batches cannot be taken back).
+
+    Args:
+        cached: the loader's dataset behind coordl's fetch path.
+        pipeline: a preset name or a pipeline function (see :mod:`coordl.dali_presets`).
+        device: ``"cpu"`` or ``"gpu"``.
+        train: run the preset's training augmentation (else its eval transform).
+        batch_size: the largest batch the plan yields.
+        fetch_threads: threads reading raw bytes ahead of DALI.
+        dali_threads: DALI's own CPU threads.
+        prefetch_batches: batches fetched ahead.
+        pin_memory: pin CPU outputs (when a GPU is present).
+    """
+
+    def __init__(self, cached: CachedDataset, *, pipeline, device: str, train: bool, batch_size: int,
+                 fetch_threads: int, dali_threads: int, prefetch_batches: int, pin_memory: bool):
+        require_dali()
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"dali_device should be 'cpu' or 'gpu', but got dali_device={device!r}")
+        if device == "gpu" and not torch.cuda.is_available():
+            raise RuntimeError("dali_device='gpu' needs a CUDA GPU, and torch sees none; use dali_device='cpu'")
+        self._read_target, why = target_reader(cached.source)
+        if cached.source is None or self._read_target is None:
+            raise TypeError(f"backend='dali' cannot read {type(cached.dataset).__name__}: "
+                            f"{why or 'it is not a dataset of files'}")
+        self.cached, self.pipeline_fn, self.device, self.train = cached, resolve_pipeline(pipeline), device, train
+        self.batch_size, self.fetch_threads, self.dali_threads = batch_size, fetch_threads, dali_threads
+        self.prefetch_batches, self.pin_memory = prefetch_batches, pin_memory and torch.cuda.is_available()
+        self._pipe = None
+        self._feeder: _Feeder | None = None
+        self.finished = True  # the last epoch ran to its end (else its queued batches must be dropped)
+        self._warn_replaced_transforms(cached.dataset)
+
+    @staticmethod
+    def _warn_replaced_transforms(dataset) -> None:
+        names = [n for n in ("transform", "target_transform", "transforms") if getattr(dataset, n, None) is not None]
+        if names:
+            warnings.warn(f"backend='dali': the DALI pipeline replaces the dataset's own {' and '.join(names)}; "
+                          f"they are not applied.", stacklevel=4)
+
+    def _build(self, seed: int):
+        from nvidia.dali import Pipeline, fn, types
+        n_targets = len(self._read_target(0)) if len(self.cached) else 1
+        pipe = Pipeline(batch_size=self.batch_size, num_threads=max(self.dali_threads, 1),
+                        device_id=torch.cuda.current_device() if self.device == "gpu" else None,
+                        seed=seed % 2**31, prefetch_queue_depth=PREFETCH_DEPTH)
+        with pipe:
+            encoded, *target = fn.external_source(source=self._feed, num_outputs=1 + n_targets, batch=True,
+                                                  dtype=[types.UINT8] + [None] * n_targets)
+            outputs = self.pipeline_fn(encoded, target[0] if n_targets == 1 else tuple(target),
+                                       device=self.device, train=self.train)
+            pipe.set_outputs(*(outputs if isinstance(outputs, (tuple, list)) else (outputs,)))
+        pipe.build()
+        return pipe
+
+    def _feed(self):
+        return self._feeder()
+
+    def epoch(self, batches: list[list[int]], seed: int) -> "DaliEpoch":
+        """Start an epoch over ``batches`` (lists of dataset indices, in plan order)."""
+        if not self.finished:
+            self.discard()
+        self._end_feeder()
+        if self._pipe is None:
+            self._pipe = self._build(seed)
+        else:
+            self._pipe.reset()
+        self.finished = False
+        self._feeder = _Feeder(self.cached, self._read_target, batches, self.fetch_threads, self.prefetch_batches)
+        return DaliEpoch(self, len(batches))
+
+    def _end_feeder(self) -> None:
+        if self._feeder is not None:
+            self._feeder.close()
+            self._feeder = None
+
+    def discard(self) -> None:
+        """Drop the pipeline (after an abandoned or failed epoch); the next epoch builds a new one."""
+        self._end_feeder()
+        self._pipe = None
+        self.finished = True
+
+    def close(self) -> None:
+        self.discard()
+
+    def explain(self, error: Exception) -> Exception:
+        """A DALI failure while decoding → a :class:`SampleError` naming the file that fails to decode,
+        found among the batches DALI had been given; else ``error`` itself."""
+        from PIL import Image
+        in_flight = [i for batch in (self._feeder.in_flight if self._feeder else ()) for i in batch]
+        scratch = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
+        for index in in_flight:
+            try:
+                raw = self.cached.fetch(index, scratch)
+                with Image.open(io.BytesIO(raw)) as image:
+                    image.load()
+            except SampleError as e:
+                return e
+            except Exception as e:
+                key = self.cached.source.raw_key(index)
+                first = str(error).strip().splitlines()
+                return SampleError(f"cannot decode sample {index} ({key}, {len(raw)} bytes): {e} "
+                                   f"(DALI: {' '.join(first[2:6]) if len(first) > 2 else error})")
+        return error
+
+
+class DaliEpoch:
+    """Iterator over one epoch's batches from a :class:`DaliBackend`, as torch tensors."""
+
+    def __init__(self, backend: DaliBackend, n_batches: int):
+        self._backend, self._n = backend, n_batches
+        self._yielded = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        backend = self._backend
+        if self._yielded >= self._n:
+            raise StopIteration
+        try:
+            outputs = backend._pipe.run()
+        except StopIteration:
+            backend._end_feeder()
+            raise
+        except Exception as e:
+            explained = backend.explain(e)
+            backend.discard()
+            if explained is e:
+                raise
+            raise explained from e
+        if backend._feeder is not None and backend._feeder.in_flight:
+            backend._feeder.in_flight.popleft()
+        batch = tuple(_to_torch(out, backend.pin_memory) for out in outputs)  # before DALI reuses its buffers
+        self._yielded += 1
+        if self._yielded == self._n:  # take DALI's end-of-epoch signal now, so the next epoch can reset
+            try:
+                backend._pipe.run()
+                raise RuntimeError("DALI yielded more batches than the epoch's plan")
+            except StopIteration:
+                backend._end_feeder()
+                backend.finished = True
+        return batch
+
+
+def _to_torch(tensor_list, pin_memory: bool) -> Any:
+    """One DALI output batch → a torch tensor (copied out of DALI's buffers), or a list of tensors
+    when its samples differ in shape."""
+    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+    from nvidia.dali.tensors import TensorListGPU
+    if isinstance(tensor_list, TensorListGPU):
+        if not tensor_list.is_dense_tensor():
+            return [t.cuda() for t in _to_torch(tensor_list.as_cpu(), False)]
+        dense = tensor_list.as_tensor()
+        out = torch.empty(dense.shape(), dtype=to_torch_type[dense.dtype], device="cuda")
+        return feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream())
+    if tensor_list.is_dense_tensor():
+        out = torch.from_numpy(np.array(tensor_list.as_tensor()))
+        return out.pin_memory() if pin_memory else out
+    return [torch.from_numpy(np.array(tensor_list[i])) for i in range(len(tensor_list))]
+
+
+def file_reader_loader(root: str, *, order: str, batch_size: int, num_threads: int, device: str = "cpu",
+                       seed: int = 0, pipeline="image_classification", train: bool = True) -> "FileReaderLoader":
+    """Plain DALI over an image folder, as a DALI user writes it: ``fn.readers.file`` reading straight
+    from disk through the OS page cache, with the same decode and augmentation as coordl's presets.
+
+    Args:
+        root: an ImageFolder-style tree (one folder per class).
+        order: ``"seq"``: the reader's own order, sequential reads shuffled in a 1024-sample memory
+            buffer (the paper's DALI-seq); ``"shuffle"``: the whole dataset reshuffled every
+            epoch (DALI-shuffle).
+        batch_size, num_threads, device, seed, pipeline, train: as for the DALI backend.
+
+    Returns:
+        A re-iterable: each ``iter()`` is one epoch of ``(images, labels)`` batches (the last one
+        partial); ``len()`` is its number of batches.
+    """
+    if order not in ("seq", "shuffle"):
+        raise ValueError(f"order should be 'seq' or 'shuffle', but got order={order!r}")
+    return FileReaderLoader(root, order, batch_size, num_threads, device, seed, resolve_pipeline(pipeline), train)
+
+
+class FileReaderLoader:
+    """See :func:`file_reader_loader`."""
+
+    def __init__(self, root, order, batch_size, num_threads, device, seed, pipeline_fn, train):
+        require_dali()
+        from nvidia.dali import Pipeline, fn
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+        pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,
+                        device_id=torch.cuda.current_device() if device == "gpu" else None)
+        with pipe:
+            shuffle = dict(random_shuffle=True, initial_fill=1024) if order == "seq" else \
+                dict(shuffle_after_epoch=True, shuffle_after_epoch_seed=seed)
+            # plain reads rather than mmap: a mapped file can fail to map under a memory limit
+            encoded, labels = fn.readers.file(file_root=root, name="Reader", dont_use_mmap=True, **shuffle)
+            outputs = pipeline_fn(encoded, fn.cast(labels, dtype=_int64()), device=device, train=train)
+            pipe.set_outputs(*outputs)
+        self._names = [f"out{k}" for k in range(len(outputs))]
+        self._iterator = DALIGenericIterator(pipe, self._names, reader_name="Reader",
+                                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __iter__(self):
+        for batch in self._iterator:
+            yield tuple(batch[0][name] for name in self._names)
+
+
+def _int64():
+    from nvidia.dali import types
+    return types.INT64

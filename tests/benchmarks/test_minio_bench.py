@@ -1,0 +1,105 @@
+"""``python -m benchmarks.minio`` end to end on a tiny dataset: the results' schema and sanity, and
+that it leaves nothing behind, also when interrupted."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.storage_env import PREFIX, block_device, cgroup_version
+from coordl.minio_cache import list_caches
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+IMAGES = 96
+TINY = ["--images", str(IMAGES), "--mean-side-px", "160", "--fractions", "0.5", "--workers", "1",
+        "--read-mbps", "4", "--compute-ms", "5"]
+PAGE = 4096
+MODES = ["emulated"] + (["cgroup"] if cgroup_version() and block_device("/tmp") else [])
+"""cgroup mode where this machine allows it (root, cgroups, /tmp on a disk): CI does."""
+
+
+def _start(tmp_path, mode: str, *args) -> tuple[subprocess.Popen, str, str]:
+    work, out, tmp = (tmp_path / name for name in ("work", "out", "tmp"))
+    for folder in (work, tmp):
+        folder.mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.minio", *TINY, "--storage", mode,
+                             "--workdir", str(work), "--out", str(out), *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, str(work), str(out)
+
+
+def _leftovers(pid: int, *folders: str) -> list[str]:
+    """Whatever a benchmark with parent ``pid`` could have left: cgroups, its folders in ``folders``,
+    processes, caches."""
+    tag = f"{PREFIX}-{pid}"
+    found = glob.glob(f"/sys/fs/cgroup/*/{tag}-*") + glob.glob(f"/sys/fs/cgroup/{tag}-*")
+    found += [os.path.join(f, name) for f in folders for name in os.listdir(f) if name.startswith(PREFIX)]
+    found += [s.name for s in list_caches() if s.label.startswith(tag)]
+    for proc_dir in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(f"{proc_dir}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "benchmarks.systems" in cmdline and any(folder in cmdline for folder in folders):
+            found.append(f"process {proc_dir}: {cmdline[:100]}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_smoke_run(tmp_path, mode):
+    systems = ["torch", "coordl"] + (["dali-seq"] if mode == "emulated" else [])  # where DALI skips at once
+    proc, work, out = _start(tmp_path, mode, "--epochs", "2", "--systems", *systems)
+    log = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, log
+    with open(os.path.join(out, "results.json")) as f:
+        result = json.load(f)
+    assert set(result) == {"storage_mode", "dataset_bytes", "bandwidth_bytes_per_s", "runs"}
+    assert result["storage_mode"] == mode
+    assert result["bandwidth_bytes_per_s"] == 4_000_000
+    dataset = result["dataset_bytes"]
+    runs = {r["system"]: r for r in result["runs"]}
+    assert set(runs) == set(systems) and all(r["cache_fraction"] == 0.5 for r in runs.values())
+    if mode == "emulated":
+        assert "cannot use the emulated store" in runs["dali-seq"]["skipped"] and runs["dali-seq"]["epochs"] == []
+    for system in ("torch", "coordl"):
+        epochs = runs[system]["epochs"]
+        assert [e["epoch"] for e in epochs] == [1, 2]
+        for e in epochs:
+            assert e["samples"] == IMAGES and e["label_counts_match"], (system, e)
+            assert e["time_s"] > 0 and 0 <= e["stall_s"] <= e["time_s"]
+            assert isinstance(e["device_read_bytes"], int) and isinstance(e["hits"], int)
+        assert epochs[0]["device_read_bytes"] >= dataset  # a cold start reads everything
+        assert epochs[0]["hits"] == 0
+
+    coordl, cache = runs["coordl"]["epochs"][1], runs["coordl"]["cache"]
+    assert 0 < cache["bytes_cached"] <= dataset // 2 and coordl["hits"] == cache["items_cached"]
+    slack = IMAGES * PAGE + 256 * 1024  # partial pages of each file, filesystem metadata
+    assert dataset - cache["bytes_cached"] <= coordl["device_read_bytes"] <= dataset - cache["bytes_cached"] + slack
+    assert runs["coordl"]["steady"]["speedup"].keys() >= {"torch"}
+    for name in ("results.md", "setup.json"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    assert _leftovers(proc.pid, work, str(tmp_path / "tmp")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_removes_everything(tmp_path, mode):
+    proc, work, _ = _start(tmp_path, mode, "--epochs", "100", "--systems", "coordl")
+    tag = f"{PREFIX}-{proc.pid}"
+    deadline = time.monotonic() + 120
+    while not any(s.label.startswith(tag) for s in list_caches()):  # coordl's child is running
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.2)
+    assert _leftovers(proc.pid, work)  # something to clean up
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert _leftovers(proc.pid, work, str(tmp_path / "tmp")) == []

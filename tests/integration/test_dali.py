@@ -1,0 +1,300 @@
+"""The DALI backend on the CPU: presets, the epoch plan, the cache, errors, and the plain-DALI baselines."""
+
+import io
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import wave
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+import torchvision
+from PIL import Image, ImageDraw
+
+import coordl
+from coordl.dali_pipeline import file_reader_loader
+from coordl.dali_presets import IMAGENET_MEAN, IMAGENET_STD
+
+N_IMAGES = 96  # the image_root fixture
+
+
+def _files(root: str) -> list[str]:
+    return [path for path, _ in torchvision.datasets.ImageFolder(root).imgs]
+
+
+def _indexed(root: str) -> coordl.FileDataset:
+    """The image files, each labelled with its own index, so labels reveal the order."""
+    files = _files(root)
+    return coordl.FileDataset(files, targets=list(range(len(files))))
+
+
+def _epochs(loader, n: int) -> list[list[tuple]]:
+    return [list(loader) for _ in range(n)]
+
+
+def test_image_classification_batches_are_normalized_float_nchw(image_root):
+    with coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), batch_size=16, shuffle=True,
+                           num_workers=2, backend="dali", cache_bytes=0) as loader:
+        batches = list(loader)
+    assert len(batches) == len(loader) == N_IMAGES // 16
+    for images, labels in batches:
+        assert images.shape == (16, 3, 224, 224) and images.dtype == torch.float32 and images.device.type == "cpu"
+        assert labels.shape == (16,) and labels.dtype == torch.int64
+    images = torch.cat([b[0] for b in batches])
+    assert -2.2 < images.min() < -1.5 and 2.0 < images.max() < 2.7  # (x/255 - mean) / std range
+    assert abs(images.mean()) < 0.5
+
+
+def test_eval_transform_matches_resize_center_crop_normalize(image_root):
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0) as loader:  # no shuffle: eval
+        images, labels = next(iter(loader))
+    for image, index in zip(images, labels.tolist()):
+        with Image.open(dataset.files[index]) as pil:
+            pil = pil.convert("RGB")
+            scale = 256 / min(pil.size)
+            pil = pil.resize((round(pil.width * scale), round(pil.height * scale)), Image.BILINEAR)
+            left, top = (pil.width - 224) // 2, (pil.height - 224) // 2
+            ref = np.asarray(pil.crop((left, top, left + 224, top + 224)), dtype=np.float32)
+        ref = (ref - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)
+        diff = np.abs(image.permute(1, 2, 0).numpy() - ref)  # JPEG decoders and resize filters differ slightly
+        assert diff.mean() < 0.2, f"sample {index} differs from resize+center-crop+normalize by {diff.mean():.3f}"
+
+
+def test_every_sample_once_per_epoch_in_torchs_order(image_root):
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=10, shuffle=True, num_workers=2, backend="dali", cache_bytes=0,
+                           generator=torch.Generator().manual_seed(5)) as loader:
+        orders = [torch.cat([labels for _, labels in epoch]).tolist() for epoch in _epochs(loader, 3)]
+    reference = tud.DataLoader(range(len(dataset)), batch_size=10, shuffle=True,
+                               generator=torch.Generator().manual_seed(5))
+    expected = [torch.cat(list(reference)).tolist() for _ in range(3)]
+    assert orders == expected  # the same plan as torch's DataLoader, partial last batch included
+    for order in orders:
+        assert sorted(order) == list(range(len(dataset)))
+    assert len({tuple(o) for o in orders}) == 3
+
+
+def test_drop_last_and_sharding_by_rank(image_root):
+    dataset, seen = _indexed(image_root), []
+    for rank in range(2):
+        sampler = tud.DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        with coordl.DataLoader(dataset, batch_size=10, sampler=sampler, drop_last=True, backend="dali",
+                               cache_bytes=0) as loader:
+            batches = list(loader)
+        assert [len(labels) for _, labels in batches] == [10] * (N_IMAGES // 2 // 10)
+        seen.append(torch.cat([labels for _, labels in batches]).tolist())
+    for rank in range(2):
+        sampler = tud.DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        assert seen[rank] == list(sampler)[:len(seen[rank])]
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_augmentation_is_drawn_afresh_each_epoch(image_root):
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=16, shuffle=True, backend="dali", cache_bytes=0) as loader:
+        per_epoch = []
+        for epoch in _epochs(loader, 2):
+            images, labels = torch.cat([b[0] for b in epoch]), torch.cat([b[1] for b in epoch])
+            per_epoch.append(images[labels.argsort()])
+    same = [torch.equal(a, b) for a, b in zip(*per_epoch)]
+    assert sum(same) <= 2, f"{sum(same)} of {len(same)} samples got the same crop and flip in both epochs"
+
+
+def test_epoch_two_hits_equal_the_cached_items(image_root, caplog):
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    half = sum(os.path.getsize(p) for p, _ in dataset.imgs) // 2
+    with caplog.at_level(logging.INFO, logger="coordl"), \
+            coordl.DataLoader(dataset, batch_size=16, shuffle=True, num_workers=2, backend="dali",
+                              cache_bytes=half, cache_name=f"dali-test-{os.getpid()}") as loader:
+        _epochs(loader, 3)
+        stats = loader.stats()
+    cached = stats.cache.items_cached
+    assert 0 < cached < N_IMAGES
+    first, *later = stats.epochs
+    assert (first.hits, first.misses, first.samples) == (0, N_IMAGES, N_IMAGES)
+    for epoch in later:
+        assert (epoch.hits, epoch.misses, epoch.samples) == (cached, N_IMAGES - cached, N_IMAGES)
+        assert epoch.complete and epoch.stall_s > 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "coordl" and "epoch=" in r.getMessage()]
+    assert len(lines) == 3 and f"hits={cached}" in lines[1] and f"misses={N_IMAGES - cached}" in lines[2]
+
+
+def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, backend="dali",
+                           cache_bytes=0) as loader:
+        it = iter(loader)
+        next(it), next(it)
+        order = torch.cat([labels for _, labels in loader]).tolist()
+        assert sorted(order) == list(range(len(dataset)))
+        assert [e.complete for e in loader.stats().epochs] == [False, True]
+
+
+def _write_coco(root: str, n: int) -> str:
+    """Black images with one white rectangle each, and a COCO annotation file giving that rectangle."""
+    rng = np.random.default_rng(0)
+    images, annotations = [], []
+    for i in range(n):
+        w, h = int(rng.integers(200, 320)), int(rng.integers(200, 320))
+        x0, y0 = int(rng.integers(10, w // 2)), int(rng.integers(10, h // 2))
+        bw, bh = int(rng.integers(w // 4, w // 2 - 5)), int(rng.integers(h // 4, h // 2 - 5))
+        image = Image.new("RGB", (w, h))
+        ImageDraw.Draw(image).rectangle([x0, y0, x0 + bw - 1, y0 + bh - 1], fill=(255, 255, 255))
+        image.save(os.path.join(root, f"{i}.png"))
+        images.append({"id": i, "file_name": f"{i}.png", "width": w, "height": h})
+        annotations.append({"id": i, "image_id": i, "bbox": [x0, y0, bw, bh], "category_id": 3 + i % 2,
+                            "iscrowd": 0})
+    path = os.path.join(root, "annotations.json")
+    with open(path, "w") as f:
+        json.dump({"images": images, "annotations": annotations}, f)
+    return path
+
+
+def test_detection_boxes_follow_the_crop_and_flip(tmp_path):
+    dataset = coordl.CocoDetection(str(tmp_path), _write_coco(str(tmp_path), 24))
+    with coordl.DataLoader(dataset, batch_size=8, shuffle=True, backend="dali", dali_pipeline="object_detection",
+                           cache_bytes=0) as loader:
+        epochs = _epochs(loader, 3)
+    checked = 0
+    for images, boxes, labels in (b for epoch in epochs for b in epoch):
+        assert images.shape[1:] == (3, 300, 300) and images.dtype == torch.float32
+        for image, box, label in zip(images, boxes, labels):
+            assert box.dtype == torch.float32 and label.dtype == torch.int64 and len(box) == len(label)
+            if not len(box):
+                continue  # the crop left the box out
+            assert set(label.tolist()) <= {3, 4}
+            x0, y0, x1, y1 = (box[0] * 300).round().int().tolist()
+            if min(x1 - x0, y1 - y0) < 12:
+                continue
+            brightness = image.mean(dim=0)  # bright inside the white box, dark outside it
+            inside = brightness[y0 + 3:y1 - 3, x0 + 3:x1 - 3].mean()
+            outside = torch.cat([brightness[:, :max(x0 - 3, 0)].flatten(), brightness[:, x1 + 3:].flatten(),
+                                 brightness[:max(y0 - 3, 0), :].flatten(), brightness[y1 + 3:, :].flatten()])
+            assert inside > 0.5, f"box {box[0].tolist()} does not cover the white rectangle"
+            if len(outside):
+                assert outside.mean() < inside - 1.5
+            checked += 1
+    assert checked >= 30
+
+
+def _write_wav(path: str, seconds: float, rate: int = 16000, freq: float = 1000.0) -> None:
+    t = np.arange(int(seconds * rate)) / rate
+    tone = (0.5 * np.sin(2 * math.pi * freq * t) * 32767).astype(np.int16)
+    with wave.open(path, "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.stack([tone, tone], axis=1).tobytes())
+
+
+def test_audio_is_mono_8khz_and_cropped_or_padded_to_one_second(tmp_path):
+    files = []
+    for i, seconds in enumerate([0.5, 2.0, 1.0, 1.5]):
+        files.append(str(tmp_path / f"{i}.wav"))
+        _write_wav(files[-1], seconds)
+    dataset = coordl.FileDataset(files, targets=[0, 1, 0, 1], decode="bytes")
+    with coordl.DataLoader(dataset, batch_size=4, backend="dali", dali_pipeline="audio_classification",
+                           cache_bytes=0) as loader:
+        (audio, labels), = list(loader)
+    assert audio.shape == (4, 8000) and audio.dtype == torch.float32 and labels.tolist() == [0, 1, 0, 1]
+    short, long = audio[0], audio[1]
+    assert short[4100:].abs().max() == 0 and short[:3900].abs().max() > 0.3  # 0.5 s of tone, then padding
+    crossings = int((np.diff(np.sign(long[100:7900].numpy())) != 0).sum())
+    assert abs(crossings - 2 * 1000 * 7800 / 8000) < 40  # a 1 kHz tone at 8000 samples/s
+
+
+def test_a_corrupt_image_is_named(fresh_image_root):
+    dataset = torchvision.datasets.ImageFolder(fresh_image_root)
+    victim = dataset.imgs[17][0]
+    with open(victim, "r+b") as f:
+        f.seek(400)
+        f.write(b"\x00" * 3000)
+        f.truncate(3400)
+    with coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0) as loader:
+        with pytest.raises(coordl.SampleError, match=f"sample 17 \\({victim}"):
+            list(loader)
+        os.remove(victim)
+        with pytest.raises(coordl.SampleError, match=f"sample 17 \\({victim}"):
+            list(loader)  # a missing file too, and the loader is usable after a failed epoch
+
+
+def test_auto_picks_dali_when_it_can_and_transforms_are_said_to_be_replaced(image_root):
+    tf = torchvision.transforms.ToTensor()
+    with pytest.warns(UserWarning, match="replaces the dataset's own transform"):
+        loader = coordl.DataLoader(torchvision.datasets.ImageFolder(image_root, transform=tf), batch_size=8,
+                                   backend="auto", cache_bytes=0)
+    images, _ = next(iter(loader))
+    assert images.shape == (8, 3, 224, 224)
+    loader.close()
+
+    plain = coordl.DataLoader(list(range(10)), batch_size=4, backend="auto", cache_bytes=0)
+    assert plain._dali is None and [b.tolist() for b in plain][0] == [0, 1, 2, 3]
+
+
+def test_bad_backend_settings_are_refused(image_root):
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    with pytest.raises(ValueError, match="backend should be"):
+        coordl.DataLoader(dataset, backend="dal")
+    with pytest.raises(ValueError, match="dali_pipeline should be one of"):
+        coordl.DataLoader(dataset, backend="dali", dali_pipeline="segmentation", cache_bytes=0)
+    with pytest.raises(TypeError, match="cannot load list"):
+        coordl.DataLoader(list(range(10)), backend="dali")
+
+
+def test_missing_dali_gives_the_install_command(image_root):
+    script = f"""
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "nvidia.dali" or name.startswith("nvidia.dali."):
+            raise ImportError("blocked")
+sys.meta_path.insert(0, Block())
+import torchvision, coordl
+try:
+    coordl.DataLoader(torchvision.datasets.ImageFolder({image_root!r}), backend="dali")
+except ImportError as e:
+    print("ERROR:", e)
+loader = coordl.DataLoader(torchvision.datasets.ImageFolder({image_root!r}), backend="auto", cache_bytes=0)
+print("AUTO:", loader._dali is None)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "ERROR: backend='dali' needs NVIDIA DALI" in done.stdout and "pip install" in done.stdout, done.stderr
+    assert "AUTO: True" in done.stdout
+
+
+@pytest.mark.parametrize("order", ["seq", "shuffle"])
+def test_plain_dali_baselines_read_every_file_each_epoch(image_root, order):
+    loader = file_reader_loader(image_root, order=order, batch_size=16, num_threads=2)
+    expected = torch.bincount(torch.tensor([c for _, c in torchvision.datasets.ImageFolder(image_root).imgs]))
+    for _ in range(2):
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        labels = torch.cat([b[1] for b in batches])
+        assert batches[0][0].shape == (16, 3, 224, 224) and labels.dtype == torch.int64
+        assert torch.equal(torch.bincount(labels.flatten()), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU decoding path needs a CUDA GPU")
+@pytest.mark.parametrize("preset", ["image_classification", "object_detection"])
+def test_gpu_decoding_yields_cuda_tensors_like_the_cpu_path(image_root, tmp_path, preset):
+    dataset = torchvision.datasets.ImageFolder(image_root) if preset == "image_classification" else \
+        coordl.CocoDetection(str(tmp_path), _write_coco(str(tmp_path), 16))
+    outputs = {}
+    for device in ("cpu", "gpu"):
+        with coordl.DataLoader(dataset, batch_size=8, backend="dali", dali_pipeline=preset, dali_device=device,
+                               cache_bytes=0) as loader:  # eval transforms: no randomness to compare
+            outputs[device] = list(loader)
+    for cpu_batch, gpu_batch in zip(outputs["cpu"], outputs["gpu"]):
+        images = gpu_batch[0]
+        assert images.device.type == "cuda" and images.shape == cpu_batch[0].shape
+        assert (images.cpu() - cpu_batch[0]).abs().mean() < 0.1  # GPU and CPU JPEG decoders differ slightly
+        assert torch.equal(cpu_batch[-1].cpu() if torch.is_tensor(cpu_batch[-1]) else cpu_batch[-1][0],
+                           gpu_batch[-1].cpu() if torch.is_tensor(gpu_batch[-1]) else gpu_batch[-1][0].cpu())
