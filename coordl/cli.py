@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
 from coordl._sizes import format_bytes
@@ -21,27 +22,31 @@ def _cache_ls(args) -> int:
     return 0
 
 
-def _cache_rm(args) -> int:
+def _remove(args, kind: str, found: dict, alive: Callable, remove: Callable, describe: Callable) -> int:
+    """``coordl cache rm`` / ``coordl group rm``: the named (or all stale) segments of one kind."""
     if not args.names and not args.stale:
-        print("name the caches to remove (see `coordl cache ls`), or pass --stale", file=sys.stderr)
+        print(f"name the {kind}s to remove (see `coordl {kind} ls`), or pass --stale", file=sys.stderr)
         return 2
-    caches = {c.name: c for c in minio_cache.list_caches()}
-    targets = list(args.names) or [n for n, c in caches.items() if c.users_alive == 0]
+    targets = list(args.names) or [name for name, item in found.items() if alive(item) == 0]
     status = 0
     for name in targets:
-        cache = caches.get(name)
-        if cache is None:
-            print(f"{name}: no such cache", file=sys.stderr)
+        item = found.get(name)
+        if item is None:
+            print(f"{name}: no such {kind}", file=sys.stderr)
             status = 1
-        elif cache.users_alive and not args.force:
-            print(f"{name}: in use by {cache.users_alive} process(es); pass --force to remove it anyway",
-                  file=sys.stderr)
+        elif alive(item) and not args.force:
+            print(f"{name}: in use by {alive(item)} process(es); pass --force to remove it anyway", file=sys.stderr)
             status = 1
         elif args.dry_run:
-            print(f"would remove {name} ({format_bytes(cache.capacity_bytes)}, {cache.label})")
-        elif minio_cache.remove_cache(name, force=args.force):
-            print(f"removed {name} ({format_bytes(cache.capacity_bytes)}, {cache.label})")
+            print(f"would remove {name} ({describe(item)})")
+        elif remove(name, force=args.force):
+            print(f"removed {name} ({describe(item)})")
     return status
+
+
+def _cache_rm(args) -> int:
+    return _remove(args, "cache", {c.name: c for c in minio_cache.list_caches()}, lambda c: c.users_alive,
+                   minio_cache.remove_cache, lambda c: f"{format_bytes(c.capacity_bytes)}, {c.label}")
 
 
 def _group_ls(args) -> int:
@@ -63,25 +68,8 @@ def _group_ls(args) -> int:
 
 
 def _group_rm(args) -> int:
-    if not args.names and not args.stale:
-        print("name the groups to remove (see `coordl group ls`), or pass --stale", file=sys.stderr)
-        return 2
-    groups = {g.name: g for g in coord_prep.list_groups()}
-    targets = list(args.names) or [n for n, g in groups.items() if g.members_alive == 0]
-    status = 0
-    for name in targets:
-        group = groups.get(name)
-        if group is None:
-            print(f"{name}: no such group", file=sys.stderr)
-            status = 1
-        elif group.members_alive and not args.force:
-            print(f"{name}: {group.members_alive} member(s) alive; pass --force to remove it anyway", file=sys.stderr)
-            status = 1
-        elif args.dry_run:
-            print(f"would remove {name} (group {group.label!r}, {group.staged_batches} staged batch(es))")
-        elif coord_prep.remove_group(name, force=args.force):
-            print(f"removed {name} (group {group.label!r}, {group.staged_batches} staged batch(es))")
-    return status
+    return _remove(args, "group", {g.name: g for g in coord_prep.list_groups()}, lambda g: g.members_alive,
+                   coord_prep.remove_group, lambda g: f"group {g.label!r}, {g.staged_batches} staged batch(es)")
 
 
 def _demo(args) -> int:

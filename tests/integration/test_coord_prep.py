@@ -238,7 +238,7 @@ def test_group_ls_and_rm_on_live_and_stale_groups():
         live_line = out.split(live.name)[1].splitlines()
         assert "1 member(s)" in live_line[0] and f"pid {os.getpid()}" in live_line[1]
         refused = _coordl("group", "rm", live.name)
-        assert refused.returncode == 1 and "1 member(s) alive" in refused.stderr
+        assert refused.returncode == 1 and "in use by 1 process(es)" in refused.stderr
         assert f"would remove {stale}" in _coordl("group", "rm", "--stale", "--dry-run").stdout
         assert os.path.exists(f"/dev/shm/{stale}")
         removed = _coordl("group", "rm", "--stale")
