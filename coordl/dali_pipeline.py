@@ -149,6 +149,18 @@ class DaliBackend:
         self.finished = True  # the last epoch ran to its end (else its queued batches must be dropped)
         self._warn_replaced_transforms(cached.dataset)
 
+    def twin(self) -> "DaliBackend":
+        """A second, independent pipeline with the same settings (built when first used)."""
+        twin = object.__new__(DaliBackend)
+        twin.__dict__.update(self.__dict__)
+        twin._pipe, twin._feeder, twin.finished = None, None, True
+        return twin
+
+    def describe(self) -> str:
+        """The settings that decide what a batch holds: pipeline, device, training or eval."""
+        name = getattr(self.pipeline_fn, "__qualname__", repr(self.pipeline_fn))
+        return f"DALI {self.pipeline_fn.__module__}.{name} on {self.device}, {'train' if self.train else 'eval'}"
+
     @staticmethod
     def _warn_replaced_transforms(dataset) -> None:
         names = [n for n in ("transform", "target_transform", "transforms") if getattr(dataset, n, None) is not None]

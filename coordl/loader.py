@@ -160,9 +160,9 @@ class DataLoader(torch.utils.data.DataLoader):
             staging_bytes = check_group_options(hp_group, hp_group_size, hp_staging_bytes, hp_group_timeout_s,
                                                 hp_group_on_mismatch)
             check_group_compatible(dataset, sampler, batch_sampler, batch_size, in_order)
-            if use_dali:
-                raise ValueError("hp_group works with backend='torch' only: coordinated prep stages the batches "
-                                 "of torch's workers")
+            if use_dali and dali_device != "cpu":
+                raise ValueError(f"hp_group with backend='dali' needs dali_device='cpu', but got "
+                                 f"dali_device={dali_device!r}: the group stages its batches in host shared memory")
         if cache_name is not None and (not isinstance(cache_name, str) or not cache_name):
             raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
         self.cache_bytes = cache_bytes
@@ -240,9 +240,9 @@ class DataLoader(torch.utils.data.DataLoader):
         n_items = len(self.dataset)
         n_batches = n_items // self.batch_size if self.drop_last else math.ceil(n_items / self.batch_size)
         seed = self.generator.initial_seed() & (2**63 - 1) if self.generator is not None else None
+        prep = self.collate_fn if self._dali is None else self._dali.describe()
         config = group_settings(self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
-                                shuffle=self._share_shuffled(),
-                                seed=seed, collate_fn=self.collate_fn)
+                                shuffle=self._share_shuffled(), seed=seed, collate_fn=prep)
         group = HPGroup(self.hp_group, config=config, n_batches=n_batches, seed=seed,
                         staging_bytes=staging_bytes or auto_staging_bytes(), expected_members=self.hp_group_size,
                         timeout_s=float(self.hp_group_timeout_s))
@@ -277,7 +277,7 @@ class DataLoader(torch.utils.data.DataLoader):
         started = time.perf_counter()
         group_counters = GroupCounters() if self._group is not None else None
         self._current = (epoch, counters, counters.totals() if counters else {}, started, group_counters)
-        if self._dali is not None:
+        if self._dali is not None and self._group is None:
             return _EpochIterator(self, self._dali_epoch(), epoch, counters)
         if self._group is None:
             inner = super().__iter__()
@@ -289,11 +289,16 @@ class DataLoader(torch.utils.data.DataLoader):
         plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self._share_shuffled(),
                           self._group.seed, ticket.epoch)
         self._share.batches = [plan[b] for b in self._group.batches_of_mine()]
-        share = super().__iter__()
-        self._last_pass = weakref.ref(share)
-        coordinated = CoordinatedEpoch(self._group, ticket, plan, share,
-                                       functools.partial(_prepare_batch, self.dataset, self.collate_fn),
-                                       group_counters, pin_memory=self.pin_memory and torch.cuda.is_available())
+        if self._dali is not None:  # this job's share through its DALI pipeline; takeovers through a second one
+            seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            share = self._dali.epoch(self._share.batches, seed)
+            prepare = functools.partial(_prepare_dali_batch, self._dali.twin(), seed)
+        else:
+            share = super().__iter__()
+            self._last_pass = weakref.ref(share)
+            prepare = functools.partial(_prepare_batch, self.dataset, self.collate_fn)
+        coordinated = CoordinatedEpoch(self._group, ticket, plan, share, prepare, group_counters,
+                                       pin_memory=self.pin_memory and torch.cuda.is_available())
         self._coordinated = weakref.ref(coordinated)
         return _EpochIterator(self, coordinated, epoch, counters)
 
@@ -425,6 +430,11 @@ def _prepare_batch(dataset, collate_fn, indices: list[int]):
     """One batch made in this process, as torch's fetcher makes it in a worker."""
     getitems = getattr(dataset, "__getitems__", None)
     return collate_fn(getitems(indices) if getitems else [dataset[i] for i in indices])
+
+
+def _prepare_dali_batch(backend, seed: int, indices: list[int]):
+    """One batch made by a DALI pipeline of this process (taking over a failed member's share)."""
+    return next(backend.epoch([indices], seed))
 
 
 class _EpochIterator:

@@ -130,6 +130,7 @@ class IndexFiles:
     def __init__(self, root: str, n: int, transform=None, payload_floats: int = 16, decode_delay_s: float = 0.0):
         self.files = [os.path.join(root, f"{i:05d}.bin") for i in range(n)]
         self.transform, self.payload_floats, self.decode_delay_s = transform, payload_floats, decode_delay_s
+        self.fetch_delay_s = 0.0  # a slow disk, for the DALI backend (which does not call decode_raw)
 
     @staticmethod
     def write(root: str, n: int) -> None:
@@ -142,6 +143,8 @@ class IndexFiles:
         return len(self.files)
 
     def raw_key(self, index: int) -> str:
+        if self.fetch_delay_s:
+            time.sleep(self.fetch_delay_s)
         return self.files[index]
 
     def decode_raw(self, index: int, raw: bytes):
@@ -156,6 +159,40 @@ class IndexFiles:
     def __getitem__(self, index: int):
         with open(self.files[index], "rb") as f:
             return self.decode_raw(index, f.read())
+
+    def dali_target(self, index: int) -> int:
+        return index
+
+
+def index_and_draw(encoded, target, *, device, train):
+    """A DALI pipeline function for IndexFiles: (the sample's index, a random draw per sample)."""
+    from nvidia.dali import fn
+    return target, fn.random.uniform(encoded.shape(), range=[0.0, 1.0])
+
+
+def hp_dali_job(root: str, n: int, group: str, epochs: int, results, start, jobs: int = 2, kill_after: int = 0):
+    """An hp_group job on the DALI backend: puts ``(pid, [[(indices, draws) per batch] per epoch], stats)``;
+    with ``kill_after``, SIGKILLs itself after that many batches of its first epoch instead."""
+    os.setsid()
+    import coordl
+    start.wait(JOIN_TIMEOUT)
+    dataset = IndexFiles(root, n)
+    dataset.fetch_delay_s = 0.05 if kill_after else 0.0  # the job to be killed still has batches to make
+    loader = coordl.DataLoader(dataset, batch_size=4, shuffle=True, backend="dali",
+                               dali_pipeline=index_and_draw, hp_group=group, hp_group_size=jobs,
+                               hp_group_timeout_s=30, cache_bytes=0)
+    seen = []
+    for _ in range(epochs):
+        batches = []
+        for index, draw in loader:
+            batches.append((index.tolist(), draw.flatten().tolist()))
+            if kill_after and len(batches) == kill_after:
+                os.killpg(os.getpid(), signal.SIGKILL)
+            time.sleep(0.02)
+        seen.append(batches)
+    stats = loader.stats().as_dict()
+    loader.close()
+    results.put((os.getpid(), seen, stats))
 
 
 class Scale:

@@ -195,6 +195,8 @@ def test_mismatched_settings_are_refused_naming_what_differs(index_root):
     (dict(hp_group_on_mismatch="ignore"), "hp_group_on_mismatch should be one of"),
     (dict(shuffle=None, sampler=[0, 1]), "pass shuffle=True or False instead of sampler="),
     (dict(in_order=False), "hp_group needs in_order=True"),
+    (dict(backend="dali", dali_pipeline=_procs.index_and_draw, dali_device="gpu"),
+     "hp_group with backend='dali' needs dali_device='cpu'"),
 ])
 def test_bad_hp_group_options_are_refused(index_root, kwargs, match):
     options = dict(batch_size=4, shuffle=True, cache_bytes=0, hp_group="bad-options")
@@ -247,3 +249,36 @@ def test_group_ls_and_rm_on_live_and_stale_groups():
     finally:
         live.close()
     assert not os.path.exists(f"/dev/shm/{live.name}")
+
+
+@pytest.mark.slow
+def test_dali_jobs_share_their_batches_too(index_root):
+    group, ctx = _group(), mp.get_context("spawn")
+    results, start = ctx.Queue(), ctx.Event()
+    procs = [_procs.spawn(_procs.hp_dali_job, index_root, N, group, 2, results, start) for _ in range(2)]
+    start.set()
+    (_, seen_a, stats_a), (_, seen_b, stats_b) = _collect(results, 2)
+    for p in procs:
+        p.join(_procs.JOIN_TIMEOUT)
+    assert seen_a == seen_b  # the same batches, the same draws, in the same order
+    for epoch in seen_a:
+        assert _samples(epoch) == list(range(N))
+    assert seen_a[0] != seen_a[1]
+    for epoch in range(2):
+        decoded = stats_a["epochs"][epoch]["decoded"] + stats_b["epochs"][epoch]["decoded"]
+        assert decoded == N and stats_a["epochs"][epoch]["members"] == 2
+
+
+@pytest.mark.slow
+def test_dali_survivors_take_over_a_killed_jobs_share(index_root):
+    group, ctx = _group(), mp.get_context("spawn")
+    results, start = ctx.Queue(), ctx.Event()
+    victim = _procs.spawn(_procs.hp_dali_job, index_root, N, group, 1, results, start, 3, 2)
+    survivors = [_procs.spawn(_procs.hp_dali_job, index_root, N, group, 1, results, start, 3) for _ in range(2)]
+    start.set()
+    (_, seen_a, stats_a), (_, seen_b, stats_b) = _collect(results, 2)
+    for p in survivors + [victim]:
+        p.join(_procs.JOIN_TIMEOUT)
+    assert victim.exitcode == -signal.SIGKILL
+    assert seen_a == seen_b and _samples(seen_a[0]) == list(range(N))
+    assert stats_a["epochs"][0]["decoded"] + stats_b["epochs"][0]["decoded"] > 2 * N // 3  # the victim's share too
