@@ -1,6 +1,6 @@
 """K hyperparameter-search jobs on one machine: K torch DataLoaders against K coordl jobs in one hp_group.
 
-    sudo python -m benchmarks.coordprep --jobs 4 [--images 2000] [--epochs 3] [--out DIR]
+    sudo python -m benchmarks.coordprep --jobs 4 [--backend dali] [--images 2000] [--epochs 3] [--out DIR]
     python -m benchmarks.coordprep --jobs 2 --quick --out DIR      # small and fast, to check it works
 
 The K jobs of a system run at once, as independent processes, over the same generated JPEG dataset
@@ -8,7 +8,9 @@ with a prep-bound pipeline (decode + RandomResizedCrop(224) + flip + ToTensor) a
 stand-in that sleeps a fixed time per batch. Baseline: each job has its own torch DataLoader.
 coordl: each job has a coordl.DataLoader in one hp_group (``hp_group_size=K``) with the MinIO cache
 off, so that only coordinated prep is measured (``--cache-bytes`` turns the cache on). Both give each
-job the same workers (default: cores // K).
+job the same workers (default: cores // K). With ``--backend dali`` the same two runs use DALI: K plain
+DALI jobs (``fn.readers.file``, reshuffled every epoch) against K coordl jobs with ``backend="dali"``
+in one hp_group, both decoding and augmenting with the ``image_classification`` preset on the CPU.
 
 Reported per system: per-job samples/s per epoch, samples decoded per epoch over all jobs, bytes read
 from the block device while the jobs train (counted from the moment all K jobs have started up, when
@@ -31,6 +33,8 @@ import tempfile
 import time
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
+"""Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
 UNLIMITED_BPS = 100 * 10**9  # blkio accounts only devices with a rule; this one never throttles
 
 
@@ -78,7 +82,7 @@ class _Cgroups:
 
 
 def run_child(args) -> None:
-    """One training job: print one JSON line per epoch (and the group's state, for coordl)."""
+    """One training job: print one JSON line per epoch (and the group's state, for the coordl systems)."""
     for group_dir in (args.blkio_cgroup, args.memory_cgroup):
         if group_dir:
             _write(os.path.join(group_dir, "cgroup.procs"), os.getpid())
@@ -88,14 +92,22 @@ def run_child(args) -> None:
 
     import coordl
 
-    dataset = torchvision.datasets.ImageFolder(
-        args.root, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()]))
+    from coordl.dali_pipeline import file_reader_loader
+
+    grouped = args.child.startswith("coordl")
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
-    if args.child == "coordl":
-        loader = coordl.DataLoader(dataset, **common, cache_bytes=args.cache_bytes, hp_group=args.group,
-                                   hp_group_size=args.jobs, hp_group_timeout_s=300)
+    group = dict(cache_bytes=args.cache_bytes, hp_group=args.group, hp_group_size=args.jobs, hp_group_timeout_s=300)
+    if args.child == "dali":  # a plain DALI user's job: reads and reshuffles on its own
+        loader = file_reader_loader(args.root, order="shuffle", batch_size=args.batch_size, num_threads=args.workers,
+                                    seed=os.getpid())
+    elif args.child == "coordl-dali":
+        loader = coordl.DataLoader(torchvision.datasets.ImageFolder(args.root), **common, **group, backend="dali",
+                                   dali_pipeline="image_classification", dali_device="cpu")
     else:
-        loader = torch.utils.data.DataLoader(dataset, **common)
+        dataset = torchvision.datasets.ImageFolder(
+            args.root, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()]))
+        loader = coordl.DataLoader(dataset, **common, **group) if grouped else \
+            torch.utils.data.DataLoader(dataset, **common)
     _write(f"{args.barrier}.{os.getpid()}", "ready")  # then start with the others, once they are all set up
     while not os.path.exists(args.barrier):
         time.sleep(0.01)
@@ -108,12 +120,12 @@ def run_child(args) -> None:
         row = {"epoch": epoch, "samples": samples, "time_s": round(elapsed, 3),
                "samples_per_s": round(samples / elapsed, 1), "proc_read_bytes": _proc_read_bytes() - read_before,
                "decoded": samples}
-        if args.child == "coordl":
+        if grouped:
             e = loader.stats().epochs[-1]
             row.update(decoded=e.decoded, prepared=e.prepared, shared=e.shared, members=e.members,
                        staging_wait_s=round(e.staging_wait_s, 3))
         print(json.dumps(row), flush=True)
-    if args.child == "coordl":
+    if grouped:
         print(json.dumps({"group": loader.stats().as_dict()["group"]}), flush=True)
         loader.close()
 
@@ -212,16 +224,16 @@ def _markdown(result: dict) -> str:
              f"training step {result['step_ms']} ms; device bytes from {result['storage_mode']}.", "",
              "| system | per-job samples/s | speedup | decoded per epoch (all jobs) | x dataset | device read MiB "
              "| staging peak MiB |", "|---|---|---|---|---|---|---|"]
-    for name in ("torch", "coordl"):
-        row = s[name]
-        speedup = row["per_job_samples_per_s"] / s["torch"]["per_job_samples_per_s"]
+    baseline = next(iter(s))
+    for name, row in s.items():
+        speedup = row["per_job_samples_per_s"] / s[baseline]["per_job_samples_per_s"]
         peak = f"{row['staging_peak_bytes'] / mib:.1f}" if row["staging_peak_bytes"] is not None else "-"
         lines.append(f"| {name} | {row['per_job_samples_per_s']:.1f} | {speedup:.2f}x | "
                      f"{', '.join(map(str, row['decoded_per_epoch']))} | "
                      f"{', '.join(map(str, row['decoded_x_dataset']))} | "
                      f"{row['device_read_bytes'] / mib:.1f} | {peak} |")
     lines += ["", "Per job and epoch (samples/s):", ""]
-    for name in ("torch", "coordl"):
+    for name in s:
         for k, job in enumerate(result["systems"][name]["jobs"]):
             lines.append(f"- {name} job {k}: " + ", ".join(f"epoch {r['epoch']}: {r['samples_per_s']}" for r in job))
     return "\n".join(lines) + "\n"
@@ -232,6 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=4, help="concurrent jobs K (default: 4)")
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--backend", choices=sorted(SYSTEMS), default="torch",
+                        help="torch: torch's DataLoader against coordl; dali: plain DALI against coordl's DALI backend")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per job (default: cores // K)")
     parser.add_argument("--step-ms", type=float, default=30, help="training stand-in: time per batch (default: 30)")
@@ -267,11 +281,12 @@ def main(argv=None) -> int:
         print(f"{args.jobs} jobs x {args.workers} worker(s); dataset {dataset_bytes / 2**20:.1f} MiB; device "
               f"bytes from {mode}", flush=True)
         systems = {}
-        for system in ("torch", "coordl"):
+        for system in SYSTEMS[args.backend]:
             print(f"running {args.jobs} {system} jobs ...", flush=True)
             systems[system] = _run_system(system, args, root, device if cgroup_ok else None, workdir)
-        result = {"jobs": args.jobs, "images": args.images, "dataset_bytes": dataset_bytes, "epochs": args.epochs,
-                  "batch_size": args.batch_size, "workers_per_job": args.workers, "step_ms": args.step_ms,
+        result = {"backend": args.backend, "jobs": args.jobs, "images": args.images, "dataset_bytes": dataset_bytes,
+                  "epochs": args.epochs, "batch_size": args.batch_size, "workers_per_job": args.workers,
+                  "step_ms": args.step_ms,
                   "cache_bytes": args.cache_bytes, "storage_mode": mode, "memory_limit_mb": args.memory_limit_mb,
                   **_tags(), "systems": systems,
                   "summary": {name: _summary(s, args.epochs, args.images) for name, s in systems.items()}}

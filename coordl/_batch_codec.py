@@ -9,6 +9,7 @@ tensor's raw bytes. No pickled objects.
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import torch
@@ -83,8 +84,9 @@ def write(encoded: Encoded, buf, epoch: int, batch: int) -> None:
             del dst  # releases the buffer export before the caller unmaps
 
 
-def read(buf, epoch: int, batch: int, pin_memory: bool = False):
-    """The batch staged in ``buf``, copied into fresh tensors (pinned if asked).
+def read(buf, epoch: int, batch: int, pin_memory: bool = False, copy: bool = True):
+    """The batch staged in ``buf``: copied into fresh tensors (pinned if asked), or with ``copy=False``
+    as views of ``buf``, which they keep alive (give them a private mapping: see ``Segment.private_view``).
 
     Raises:
         StagingError: ``buf`` does not hold batch ``batch`` of epoch ``epoch``.
@@ -99,7 +101,13 @@ def read(buf, epoch: int, batch: int, pin_memory: bool = False):
     def build(node):
         kind = node["t"]
         if kind in ("tensor", "ndarray"):
-            out = torch.empty(node["shape"], dtype=getattr(torch, node["dtype"]), pin_memory=pin_memory)
+            dtype = getattr(torch, node["dtype"])
+            numel = math.prod(node["shape"])
+            if not copy and numel:
+                out = torch.frombuffer(buf, dtype=dtype, count=numel, offset=data_at + node["at"])
+                out = out.reshape(node["shape"])
+                return out.numpy() if kind == "ndarray" else out
+            out = torch.empty(node["shape"], dtype=dtype, pin_memory=pin_memory)
             n = out.numel() * out.element_size()
             if n:
                 src = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=data_at + node["at"])

@@ -130,6 +130,11 @@ class Segment:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return cls(name, fd, mm)
 
+    def private_view(self) -> mmap.mmap:
+        """A copy-on-write mapping of the segment: it reads the segment's bytes, its writes stay in this
+        process, and it stays valid after :meth:`close` and :meth:`unlink` (until it is garbage)."""
+        return mmap.mmap(self._fd, self.size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+
     @property
     def size(self) -> int:
         return len(self.buf)

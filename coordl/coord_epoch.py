@@ -1,13 +1,15 @@
 """One epoch of an hp_group member: prepare this job's share, publish it, consume every batch in plan order.
 
 NOTE [ Producer and consumer ]
-A producer thread pulls this job's share from torch's iterator (the job's own DataLoader workers),
-publishes each batch into the group's staging area (one copy, into shared memory) and then hands it
-to this job's consumer without a copy. Batches taken over from a failed member are prepared in the
-producer thread itself. The consumer (the training loop's ``next()``) walks the plan in order: its
-own batches come from the producer, the others' are copied out of the staging area, which lets the
-slot be freed as soon as every member has its copy. A batch is handed over only once published, so
-no member runs ahead of the staging window.
+A producer thread pulls this job's share from its own loader (torch's iterator over the job's
+workers, or the job's DALI pipeline), publishes each batch into the group's staging area (one copy,
+into shared memory) and then hands it to this job's consumer without a copy. Batches taken over from
+a failed member are prepared in the producer thread itself. The consumer (the training loop's
+``next()``) walks the plan in order: its own batches come from the producer, the others' are mapped
+copy-on-write from the staging area (or copied into pinned memory). A private mapping outlives the
+segment's name, so the slot is freed as soon as every member has mapped it, and a member's writes to
+its batch stay its own. A batch is handed over only once published, so no member runs ahead of the
+staging window.
 """
 
 import dataclasses
@@ -158,7 +160,7 @@ class CoordinatedEpoch:
         group: this job's group membership.
         ticket: the epoch, as :meth:`HPGroup.start_epoch` returned it.
         plan: the epoch's batches (sample indices), the same in every member.
-        share: torch's iterator over this job's share (``group.batches_of_mine()``), in order.
+        share: this job's share (``group.batches_of_mine()``) in order: torch's iterator or a ``DaliEpoch``.
         prepare: makes one batch from sample indices in this process (for batches taken over).
         counters: where this job's counts for the epoch go.
         pin_memory: copy staged batches into pinned memory.
@@ -223,7 +225,7 @@ class CoordinatedEpoch:
             else:
                 seq = self._group.staged(self._ticket.epoch, i)
                 if seq is not None:
-                    batch = self._copy_out(i, seq)
+                    batch = self._take_staged(i, seq)
                     self._counters.staging_wait_s += time.monotonic() - started
                     return batch
                 backoff.sleep()
@@ -237,10 +239,12 @@ class CoordinatedEpoch:
                                self._ticket.epoch, self._group.owner(i))
                 warned = True
 
-    def _copy_out(self, i: int, seq: int):
+    def _take_staged(self, i: int, seq: int):
+        """Another member's batch ``i``: copied into pinned memory, else mapped copy-on-write (no copy)."""
         segment = self._group.open_staged(seq)
         try:
-            batch = _batch_codec.read(segment.buf, self._ticket.epoch, i, self._pin)
+            buf = segment.buf if self._pin else segment.private_view()
+            batch = _batch_codec.read(buf, self._ticket.epoch, i, pin_memory=self._pin, copy=self._pin)
         finally:
             segment.close()
         self._group.release(self._ticket.epoch, i, seq)

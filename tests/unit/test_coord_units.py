@@ -1,12 +1,14 @@
 """Pure parts of coordinated prep: epoch plans and the staged-batch encoding."""
 
 import mmap
+import secrets
 
 import numpy as np
 import pytest
 import torch
 
 from coordl import _batch_codec
+from coordl._shm import Segment
 from coordl.coord_prep import epoch_plan
 from coordl.exceptions import StagingError
 
@@ -21,21 +23,23 @@ def test_epoch_plans_are_shared_per_epoch_and_new_each_epoch():
     assert epoch_plan(5, 2, False, False, seed=5, epoch=3) == [[0, 1], [2, 3], [4]]
 
 
-def _round_trip(batch, epoch=2, batch_id=7):
+def _round_trip(batch, epoch=2, batch_id=7, copy=True):
     encoded = _batch_codec.encode(batch)
     buf = mmap.mmap(-1, encoded.nbytes)
     try:
         _batch_codec.write(encoded, buf, epoch, batch_id)
-        return _batch_codec.read(buf, epoch, batch_id)
+        return _batch_codec.read(buf, epoch, batch_id, copy=copy)
     finally:
-        buf.close()
+        if copy:
+            buf.close()  # views keep their mapping alive instead
 
 
-def test_staged_batches_keep_structure_dtypes_and_values():
+@pytest.mark.parametrize("copy", [True, False])
+def test_staged_batches_keep_structure_dtypes_and_values(copy):
     batch = (torch.randn(3, 4), torch.arange(5), torch.randn(4, 4).t(), torch.zeros(0),
              torch.randn(2, 2).to(torch.bfloat16), torch.tensor(True),
              {"names": ["a", "b"], 3: np.arange(6, dtype=np.float16).reshape(2, 3), "none": None, "x": 1.5})
-    out = _round_trip(batch)
+    out = _round_trip(batch, copy=copy)
     assert isinstance(out, tuple) and len(out) == len(batch)
     for got, want in zip(out[:6], batch[:6]):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -54,3 +58,18 @@ def test_unsupported_batches_and_foreign_segments_are_refused():
             _batch_codec.read(buf, 1, 5)
     finally:
         buf.close()
+
+
+def test_private_views_of_a_staged_batch_outlive_it_and_keep_writes_to_themselves():
+    images = torch.randn(4, 3, 8, 8)
+    encoded = _batch_codec.encode((images, torch.arange(4)))
+    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes)
+    segment.unlock()
+    _batch_codec.write(encoded, segment.buf, 1, 0)
+    mine, theirs = (_batch_codec.read(segment.private_view(), 1, 0, copy=False) for _ in range(2))
+    with segment.locked():
+        segment.unlink()
+    segment.close()
+    mine[0].mul_(0)  # a training loop normalizing its batch in place
+    assert torch.count_nonzero(mine[0]) == 0
+    assert torch.equal(theirs[0], images) and torch.equal(theirs[1], torch.arange(4))

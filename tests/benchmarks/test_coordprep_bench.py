@@ -1,0 +1,42 @@
+"""``python -m benchmarks.coordprep --quick`` end to end: K jobs per system, the decode counts that
+coordinated prep promises, and nothing left behind."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coordl.coord_prep import list_groups
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _leftovers() -> set[str]:
+    return set(glob.glob("/var/tmp/coordl-coordprep-*") + glob.glob("/sys/fs/cgroup/*/coordl-coordprep-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, systems", [("torch", ("torch", "coordl")), ("dali", ("dali", "coordl-dali"))])
+def test_quick_run(tmp_path, backend, systems):
+    before, groups_before = _leftovers(), {g.name for g in list_groups()}
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--backend", backend,
+                          "--out", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    baseline, coordl = (result["summary"][name] for name in systems)
+    assert list(result["summary"]) == list(systems) and result["backend"] == backend
+    assert baseline["decoded_x_dataset"] == [2.0, 2.0]  # each of the 2 jobs decodes the whole dataset
+    assert coordl["decoded_x_dataset"] == [1.0, 1.0]  # the group decodes it once
+    for name in systems:
+        jobs = result["systems"][name]["jobs"]
+        assert len(jobs) == 2 and all(r["samples"] == result["images"] for job in jobs for r in job)
+    assert 0 < coordl["staging_peak_bytes"] <= coordl["staging_capacity_bytes"]
+    assert baseline["staging_peak_bytes"] is None
+    assert "| " + systems[1] + " |" in (out / "results.md").read_text()
+    assert _leftovers() == before
+    assert {g.name for g in list_groups()} == groups_before
