@@ -10,6 +10,7 @@ tensor's raw bytes. No pickled objects.
 import dataclasses
 import json
 import math
+import mmap
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ _MAGIC = int.from_bytes(b"CDLBATCH", "little")
 _PREFIX_BYTES = 32
 _ALIGN = 64
 _SCALARS = (bool, int, float, str, type(None))
+MAP_MIN_BYTES = 1 << 20
+"""Tensors this large are mapped, not copied, by :func:`read` with ``map_range``: a mapping per small
+tensor would cost more than copying it, and would keep a whole page (and a descriptor) alive."""
 
 
 def _aligned(n: int) -> int:
@@ -84,9 +88,12 @@ def write(encoded: Encoded, buf, epoch: int, batch: int) -> None:
             del dst  # releases the buffer export before the caller unmaps
 
 
-def read(buf, epoch: int, batch: int, pin_memory: bool = False, copy: bool = True):
-    """The batch staged in ``buf``: copied into fresh tensors (pinned if asked), or with ``copy=False``
-    as views of ``buf``, which they keep alive (give them a private mapping: see ``Segment.private_view``).
+def read(buf, epoch: int, batch: int, pin_memory: bool = False, map_range=None):
+    """The batch staged in ``buf``, in fresh tensors (pinned if asked).
+
+    With ``map_range(offset, length)`` (a private mapping of those bytes of the segment, offset a
+    multiple of the page size: ``Segment.private_map``), tensors of at least ``MAP_MIN_BYTES`` are
+    views of their own mapping instead, which they keep alive; smaller ones are copied.
 
     Raises:
         StagingError: ``buf`` does not hold batch ``batch`` of epoch ``epoch``.
@@ -103,8 +110,11 @@ def read(buf, epoch: int, batch: int, pin_memory: bool = False, copy: bool = Tru
         if kind in ("tensor", "ndarray"):
             dtype = getattr(torch, node["dtype"])
             numel = math.prod(node["shape"])
-            if not copy and numel:
-                out = torch.frombuffer(buf, dtype=dtype, count=numel, offset=data_at + node["at"])
+            start, n = data_at + node["at"], numel * dtype.itemsize
+            if map_range is not None and n >= MAP_MIN_BYTES:
+                page_start = start - start % mmap.ALLOCATIONGRANULARITY
+                view = map_range(page_start, start + n - page_start)
+                out = torch.frombuffer(view, dtype=dtype, count=numel, offset=start - page_start)
                 out = out.reshape(node["shape"])
                 return out.numpy() if kind == "ndarray" else out
             out = torch.empty(node["shape"], dtype=dtype, pin_memory=pin_memory)

@@ -90,11 +90,12 @@ def _describe(obj) -> str:
 
 
 def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, shuffle: bool, seed: int | None,
-                   collate_fn) -> dict[str, str]:
+                   collate_fn, dali=None) -> dict[str, str]:
     """What every member of a group must share: ``{setting: description}``.
 
     The dataset is identified by its type, length and, for datasets of files, the fingerprint of its
-    files (paths, sizes, mtimes); transforms by their repr.
+    files (paths, sizes, mtimes); transforms by their repr; with the DALI backend (``dali``, the
+    loader's ``DaliBackend``), its pipeline function's code, device and mode stand for ``collate_fn``.
     """
     user = dataset.dataset
     if dataset.fingerprint is None and dataset.source is not None:
@@ -110,5 +111,6 @@ def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, 
         "drop_last": str(drop_last),
         "sampler": "shuffled" if shuffle else "sequential",
         "seed": "drawn by the group" if seed is None else str(seed),
-        "collate_fn": _describe(collate_fn),
+        **({"collate_fn": _describe(collate_fn)} if dali is None else
+           {"dali_pipeline": f"{_describe(dali.pipeline_fn)} on {dali.device}, {'train' if dali.train else 'eval'}"}),
     }

@@ -10,6 +10,7 @@ import fcntl
 import glob
 import mmap
 import os
+import sys
 import time
 
 from coordl._constants import SHM_DIR, SHM_PREFIX
@@ -130,10 +131,13 @@ class Segment:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return cls(name, fd, mm)
 
-    def private_view(self) -> mmap.mmap:
-        """A copy-on-write mapping of the segment: it reads the segment's bytes, its writes stay in this
-        process, and it stays valid after :meth:`close` and :meth:`unlink` (until it is garbage)."""
-        return mmap.mmap(self._fd, self.size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    def private_map(self, offset: int, length: int) -> mmap.mmap:
+        """A copy-on-write mapping of ``length`` bytes from ``offset`` (a multiple of the page size): it
+        reads the segment's bytes, its writes stay in this process, and it stays valid after
+        :meth:`close` and :meth:`unlink`, until it is garbage."""
+        extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # else it holds a dup of the fd
+        return mmap.mmap(self._fd, length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset,
+                         **extra)
 
     @property
     def size(self) -> int:

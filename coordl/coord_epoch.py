@@ -74,8 +74,8 @@ class _Source:
 class _Producer:
     """The producer thread's loop and what it shares with the consumer (see NOTE [ Producer and consumer ])."""
 
-    def __init__(self, group: HPGroup, ticket: EpochTicket, share: Iterator, prepare: Callable[[list[int]], Any],
-                 plan: list[list[int]], counters: GroupCounters):
+    def __init__(self, group: HPGroup, ticket: EpochTicket, share: Iterator,
+                 prepare: Callable[[list[list[int]]], Iterator], plan: list[list[int]], counters: GroupCounters):
         self.group, self.epoch, self.plan, self.prepare, self.counters = group, ticket.epoch, plan, prepare, counters
         self.share_ids = group.batches_of_mine()
         self.share = share
@@ -83,6 +83,7 @@ class _Producer:
         self.cond = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        self.takeovers: list[Iterator] = []
 
     def run(self) -> None:
         try:
@@ -93,6 +94,10 @@ class _Producer:
                 self.cond.notify_all()
         finally:
             self.share = None  # lets torch's iterator (and its workers) go
+            for batches in self.takeovers:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()
 
     def _loop(self) -> None:
         sources = [_Source(self.share_ids, self.share)]
@@ -104,7 +109,8 @@ class _Producer:
                 taken = [b for b in self.group.batches_of_mine() if b not in known]
                 if taken:
                     known.update(taken)
-                    sources.append(_Source(taken, (self.prepare(self.plan[b]) for b in taken)))
+                    self.takeovers.append(self.prepare([self.plan[b] for b in taken]))
+                    sources.append(_Source(taken, self.takeovers[-1]))
             for source in sources:
                 source.fill()
             pending = sorted((s for s in sources if s.pending is not None), key=lambda s: s.pending[0])
@@ -161,7 +167,8 @@ class CoordinatedEpoch:
         ticket: the epoch, as :meth:`HPGroup.start_epoch` returned it.
         plan: the epoch's batches (sample indices), the same in every member.
         share: this job's share (``group.batches_of_mine()``) in order: torch's iterator or a ``DaliEpoch``.
-        prepare: makes one batch from sample indices in this process (for batches taken over).
+        prepare: makes batches (lists of sample indices) in this process, for batches taken over: returns
+            an iterator over them, in order, whose ``close()`` (if any) is called when the producer ends.
         counters: where this job's counts for the epoch go.
         pin_memory: copy staged batches into pinned memory.
 
@@ -170,7 +177,7 @@ class CoordinatedEpoch:
     """
 
     def __init__(self, group: HPGroup, ticket: EpochTicket, plan: list[list[int]], share: Iterator,
-                 prepare: Callable[[list[int]], Any], counters: GroupCounters, pin_memory: bool = False):
+                 prepare: Callable[[list[list[int]]], Iterator], counters: GroupCounters, pin_memory: bool = False):
         self._group, self._ticket, self._plan, self._pin = group, ticket, plan, pin_memory
         self._counters = counters
         self._next = 0
@@ -183,6 +190,11 @@ class CoordinatedEpoch:
 
     def __iter__(self) -> "CoordinatedEpoch":
         return self
+
+    @property
+    def producer_running(self) -> bool:
+        """Whether the producer thread still runs (after :meth:`close`: it outlived the join timeout)."""
+        return self._thread.is_alive()
 
     def __len__(self) -> int:
         return len(self._plan)
@@ -240,11 +252,12 @@ class CoordinatedEpoch:
                 warned = True
 
     def _take_staged(self, i: int, seq: int):
-        """Another member's batch ``i``: copied into pinned memory, else mapped copy-on-write (no copy)."""
+        """Another member's batch ``i``: copied into pinned memory, else its large tensors mapped
+        copy-on-write (no copy) and the rest copied."""
         segment = self._group.open_staged(seq)
         try:
-            buf = segment.buf if self._pin else segment.private_view()
-            batch = _batch_codec.read(buf, self._ticket.epoch, i, pin_memory=self._pin, copy=self._pin)
+            batch = _batch_codec.read(segment.buf, self._ticket.epoch, i, pin_memory=self._pin,
+                                      map_range=None if self._pin else segment.private_map)
         finally:
             segment.close()
         self._group.release(self._ticket.epoch, i, seq)

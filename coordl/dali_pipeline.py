@@ -156,11 +156,6 @@ class DaliBackend:
         twin._pipe, twin._feeder, twin.finished = None, None, True
         return twin
 
-    def describe(self) -> str:
-        """The settings that decide what a batch holds: pipeline, device, training or eval."""
-        name = getattr(self.pipeline_fn, "__qualname__", repr(self.pipeline_fn))
-        return f"DALI {self.pipeline_fn.__module__}.{name} on {self.device}, {'train' if self.train else 'eval'}"
-
     @staticmethod
     def _warn_replaced_transforms(dataset) -> None:
         names = [n for n in ("transform", "target_transform", "transforms") if getattr(dataset, n, None) is not None]
@@ -246,6 +241,10 @@ class DaliEpoch:
 
     def __iter__(self):
         return self
+
+    def close(self) -> None:
+        """Drop the backend's pipeline (its threads and buffers): for a backend used for this epoch only."""
+        self._backend.discard()
 
     def __next__(self):
         backend = self._backend

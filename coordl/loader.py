@@ -240,9 +240,8 @@ class DataLoader(torch.utils.data.DataLoader):
         n_items = len(self.dataset)
         n_batches = n_items // self.batch_size if self.drop_last else math.ceil(n_items / self.batch_size)
         seed = self.generator.initial_seed() & (2**63 - 1) if self.generator is not None else None
-        prep = self.collate_fn if self._dali is None else self._dali.describe()
         config = group_settings(self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
-                                shuffle=self._share_shuffled(), seed=seed, collate_fn=prep)
+                                shuffle=self._share_shuffled(), seed=seed, collate_fn=self.collate_fn, dali=self._dali)
         group = HPGroup(self.hp_group, config=config, n_batches=n_batches, seed=seed,
                         staging_bytes=staging_bytes or auto_staging_bytes(), expected_members=self.hp_group_size,
                         timeout_s=float(self.hp_group_timeout_s))
@@ -289,16 +288,20 @@ class DataLoader(torch.utils.data.DataLoader):
         plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self._share_shuffled(),
                           self._group.seed, ticket.epoch)
         self._share.batches = [plan[b] for b in self._group.batches_of_mine()]
-        if self._dali is not None:  # this job's share through its DALI pipeline; takeovers through a second one
-            seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
-            share = self._dali.epoch(self._share.batches, seed)
-            prepare = functools.partial(_prepare_dali_batch, self._dali.twin(), seed)
-        else:
-            share = super().__iter__()
-            self._last_pass = weakref.ref(share)
-            prepare = functools.partial(_prepare_batch, self.dataset, self.collate_fn)
-        coordinated = CoordinatedEpoch(self._group, ticket, plan, share, prepare, group_counters,
-                                       pin_memory=self.pin_memory and torch.cuda.is_available())
+        try:
+            if self._dali is not None:  # this job's share through its DALI pipeline, takeovers through twins
+                seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+                share = self._dali.epoch(self._share.batches, seed)
+                prepare = functools.partial(_prepare_dali_batches, self._dali, seed)
+            else:
+                share = super().__iter__()
+                self._last_pass = weakref.ref(share)
+                prepare = functools.partial(_prepare_batches, self.dataset, self.collate_fn)
+            coordinated = CoordinatedEpoch(self._group, ticket, plan, share, prepare, group_counters,
+                                           pin_memory=self.pin_memory and torch.cuda.is_available())
+        except BaseException:
+            self._group.leave_epoch()  # the others take over this job's share
+            raise
         self._coordinated = weakref.ref(coordinated)
         return _EpochIterator(self, coordinated, epoch, counters)
 
@@ -310,6 +313,9 @@ class DataLoader(torch.utils.data.DataLoader):
         coordinated = self._coordinated() if self._coordinated is not None else None
         if coordinated is not None:
             coordinated.close()
+            if coordinated.producer_running and self._dali is not None:
+                # Still inside its pipeline past the join timeout: leave that pipeline to it, use a new one.
+                self._dali = self._dali.twin()
         self._coordinated = None
 
     def _dali_epoch(self):
@@ -426,15 +432,16 @@ class _ShareSampler:
         return len(self.batches)
 
 
-def _prepare_batch(dataset, collate_fn, indices: list[int]):
-    """One batch made in this process, as torch's fetcher makes it in a worker."""
+def _prepare_batches(dataset, collate_fn, batches: list[list[int]]):
+    """Batches made in this process (taken over from a failed member), as torch's fetcher makes them."""
     getitems = getattr(dataset, "__getitems__", None)
-    return collate_fn(getitems(indices) if getitems else [dataset[i] for i in indices])
+    for indices in batches:
+        yield collate_fn(getitems(indices) if getitems else [dataset[i] for i in indices])
 
 
-def _prepare_dali_batch(backend, seed: int, indices: list[int]):
-    """One batch made by a DALI pipeline of this process (taking over a failed member's share)."""
-    return next(backend.epoch([indices], seed))
+def _prepare_dali_batches(backend, seed: int, batches: list[list[int]]):
+    """Batches taken over from a failed member, through a pipeline of their own (closed when done)."""
+    return backend.twin().epoch(batches, seed)
 
 
 class _EpochIterator:

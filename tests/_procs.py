@@ -170,6 +170,11 @@ def index_and_draw(encoded, target, *, device, train):
     return target, fn.random.uniform(encoded.shape(), range=[0.0, 1.0])
 
 
+def index_only(encoded, target, *, device, train):
+    """A DALI pipeline function for IndexFiles: the sample's index."""
+    return target
+
+
 def hp_dali_job(root: str, n: int, group: str, epochs: int, results, start, jobs: int = 2, kill_after: int = 0):
     """An hp_group job on the DALI backend: puts ``(pid, [[(indices, draws) per batch] per epoch], stats)``;
     with ``kill_after``, SIGKILLs itself after that many batches of its first epoch instead."""

@@ -187,6 +187,16 @@ def test_mismatched_settings_are_refused_naming_what_differs(index_root):
             assert loner.stats().group is None and loner.stats().epochs[0].group is None
 
 
+def test_dali_members_must_agree_on_the_pipeline(index_root):
+    group, dali = _group(), dict(backend="dali", dali_pipeline=_procs.index_and_draw)
+    with _loader(index_root, group, **dali):
+        with pytest.raises(coordl.GroupMismatchError, match=r"collate_fn: group has '-'.*dali_pipeline: group has "
+                                                            r"'tests._procs.index_and_draw \(code \w+\) on cpu, train'"):
+            _loader(index_root, group)  # the torch backend
+        with pytest.raises(coordl.GroupMismatchError, match=r"dali_pipeline: .*index_and_draw.*index_only"):
+            _loader(index_root, group, backend="dali", dali_pipeline=_procs.index_only)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(hp_group=""), "hp_group should be a non-empty string"),
     (dict(hp_group_size=0), "hp_group_size should be a positive int"),

@@ -1,6 +1,7 @@
 """Pure parts of coordinated prep: epoch plans and the staged-batch encoding."""
 
 import mmap
+import os
 import secrets
 
 import numpy as np
@@ -23,23 +24,26 @@ def test_epoch_plans_are_shared_per_epoch_and_new_each_epoch():
     assert epoch_plan(5, 2, False, False, seed=5, epoch=3) == [[0, 1], [2, 3], [4]]
 
 
-def _round_trip(batch, epoch=2, batch_id=7, copy=True):
+def _round_trip(batch, epoch=2, batch_id=7, mapped=False):
     encoded = _batch_codec.encode(batch)
-    buf = mmap.mmap(-1, encoded.nbytes)
+    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes)
+    segment.unlock()
     try:
-        _batch_codec.write(encoded, buf, epoch, batch_id)
-        return _batch_codec.read(buf, epoch, batch_id, copy=copy)
+        _batch_codec.write(encoded, segment.buf, epoch, batch_id)
+        return _batch_codec.read(segment.buf, epoch, batch_id, map_range=segment.private_map if mapped else None)
     finally:
-        if copy:
-            buf.close()  # views keep their mapping alive instead
+        with segment.locked():
+            segment.unlink()
+        segment.close()  # mapped tensors keep their own mappings
 
 
-@pytest.mark.parametrize("copy", [True, False])
-def test_staged_batches_keep_structure_dtypes_and_values(copy):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_staged_batches_keep_structure_dtypes_and_values(mapped, monkeypatch):
+    monkeypatch.setattr(_batch_codec, "MAP_MIN_BYTES", 1)  # with mapped=True, map every non-empty tensor
     batch = (torch.randn(3, 4), torch.arange(5), torch.randn(4, 4).t(), torch.zeros(0),
              torch.randn(2, 2).to(torch.bfloat16), torch.tensor(True),
              {"names": ["a", "b"], 3: np.arange(6, dtype=np.float16).reshape(2, 3), "none": None, "x": 1.5})
-    out = _round_trip(batch, copy=copy)
+    out = _round_trip(batch, mapped=mapped)
     assert isinstance(out, tuple) and len(out) == len(batch)
     for got, want in zip(out[:6], batch[:6]):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -60,16 +64,20 @@ def test_unsupported_batches_and_foreign_segments_are_refused():
         buf.close()
 
 
-def test_private_views_of_a_staged_batch_outlive_it_and_keep_writes_to_themselves():
-    images = torch.randn(4, 3, 8, 8)
-    encoded = _batch_codec.encode((images, torch.arange(4)))
+def test_mapped_tensors_of_a_staged_batch_outlive_it_and_keep_writes_to_themselves():
+    images = torch.randn(8, 3, 128, 128)  # 1.5 MiB: mapped
+    encoded = _batch_codec.encode((images, torch.arange(8)))
     segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes)
     segment.unlock()
     _batch_codec.write(encoded, segment.buf, 1, 0)
-    mine, theirs = (_batch_codec.read(segment.private_view(), 1, 0, copy=False) for _ in range(2))
+    mine, theirs = (_batch_codec.read(segment.buf, 1, 0, map_range=segment.private_map) for _ in range(2))
+    open_fds = len(os.listdir("/proc/self/fd"))
+    labels = [_batch_codec.read(segment.buf, 1, 0, map_range=segment.private_map)[1] for _ in range(20)]
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # small tensors are copied: they hold no mapping
     with segment.locked():
         segment.unlink()
     segment.close()
     mine[0].mul_(0)  # a training loop normalizing its batch in place
     assert torch.count_nonzero(mine[0]) == 0
-    assert torch.equal(theirs[0], images) and torch.equal(theirs[1], torch.arange(4))
+    assert torch.equal(theirs[0], images) and torch.equal(theirs[1], torch.arange(8))
+    assert all(torch.equal(l, torch.arange(8)) for l in labels)
