@@ -190,8 +190,8 @@ def test_mismatched_settings_are_refused_naming_what_differs(index_root):
 def test_dali_members_must_agree_on_the_pipeline(index_root):
     group, dali = _group(), dict(backend="dali", dali_pipeline=_procs.index_and_draw)
     with _loader(index_root, group, **dali):
-        with pytest.raises(coordl.GroupMismatchError, match=r"collate_fn: group has '-'.*dali_pipeline: group has "
-                                                            r"'tests._procs.index_and_draw \(code \w+\) on cpu, train'"):
+        torch_job = r"collate_fn: group has '-'.*dali_pipeline: group has '.*index_and_draw \(code \w+\) on cpu, train'"
+        with pytest.raises(coordl.GroupMismatchError, match=torch_job):
             _loader(index_root, group)  # the torch backend
         with pytest.raises(coordl.GroupMismatchError, match=r"dali_pipeline: .*index_and_draw.*index_only"):
             _loader(index_root, group, backend="dali", dali_pipeline=_procs.index_only)
