@@ -1,6 +1,5 @@
 """`coordl cache ls` / `coordl cache rm` on real caches, live and stale."""
 
-import multiprocessing as mp
 import os
 import secrets
 import signal
@@ -9,15 +8,16 @@ import sys
 
 from coordl.minio_cache import MinIOCache, cache_segment_name
 from tests import _procs
+from tests._signals import FileEvent
 
 
 def _coordl(*args):
     return subprocess.run([sys.executable, "-m", "coordl.cli", *args], capture_output=True, text=True, timeout=60)
 
 
-def _stale_cache() -> str:
+def _stale_cache(tmp_path) -> str:
     name = cache_segment_name(secrets.token_hex(6))
-    locked = mp.get_context("spawn").Event()
+    locked = FileEvent(tmp_path)
     proc = _procs.spawn(_procs.hold_lock_then_die, name, 4, 4096, locked)
     proc.join(_procs.JOIN_TIMEOUT)
     assert proc.exitcode == -signal.SIGKILL
@@ -28,7 +28,7 @@ def test_ls_and_rm(tmp_path):
     live = MinIOCache(cache_segment_name(secrets.token_hex(6)), n_items=3, capacity_bytes=1000,
                       fingerprint=bytes(32), label="cli-test live")
     live.put(0, b"x" * 100)
-    stale = _stale_cache()
+    stale = _stale_cache(tmp_path)
     try:
         out = _coordl("cache", "ls").stdout
         assert live.name in out and "1/3" in out and "cli-test live" in out

@@ -1,7 +1,6 @@
 """Coordinated prep: independent jobs in one hp_group prepare each batch once and all see every batch."""
 
 import logging
-import multiprocessing as mp
 import os
 import secrets
 import signal
@@ -15,6 +14,7 @@ import coordl
 from coordl import _batch_codec
 from coordl.coord_prep import HPGroup, group_segment_name, list_groups
 from tests import _procs
+from tests._signals import FileEvent, FileQueue
 
 N = 60  # samples; batches of 4 -> 15 batches per epoch
 
@@ -30,16 +30,12 @@ def _group() -> str:
     return f"test-{secrets.token_hex(4)}"
 
 
-def _start_jobs(root, group, jobs, *, n=N):
-    """Spawn one independent job per ``(epochs, options)``; they start together.
-
-    Returns (procs, results, start): keep ``start`` alive until the jobs end (children unpickle it late).
-    """
-    ctx = mp.get_context("spawn")
-    results, start = ctx.Queue(), ctx.Event()
+def _start_jobs(tmp_path, root, group, jobs, *, n=N):
+    """Spawn one independent job per ``(epochs, options)``; they start together. Returns (procs, results)."""
+    results, start = FileQueue(tmp_path), FileEvent(tmp_path)
     procs = [_procs.spawn(_procs.hp_job, root, n, group, epochs, results, options, start) for epochs, options in jobs]
     start.set()
-    return procs, results, start
+    return procs, results
 
 
 def _collect(results, count: int) -> list[tuple]:
@@ -55,11 +51,11 @@ def _draws(batches) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_three_jobs_prepare_each_batch_once_and_all_see_every_batch(index_root):
+def test_three_jobs_prepare_each_batch_once_and_all_see_every_batch(tmp_path, index_root):
     group = _group()
     common = dict(hp_group_size=3, hp_group_timeout_s=30, cache_bytes="1MiB")
     jobs = [(2, dict(common, num_workers=2, multiprocessing_context="fork")), (2, common), (2, common)]
-    procs, results, _start = _start_jobs(index_root, group, jobs)
+    procs, results = _start_jobs(tmp_path, index_root, group, jobs)
     runs = _collect(results, 3)
     _procs.join_ok(*procs)
 
@@ -86,14 +82,14 @@ def test_three_jobs_prepare_each_batch_once_and_all_see_every_batch(index_root):
 
 
 @pytest.mark.slow
-def test_staging_memory_stays_bounded_when_one_job_is_slow(index_root):
+def test_staging_memory_stays_bounded_when_one_job_is_slow(tmp_path, index_root):
     capacity = 16 << 10
     batch_bytes = _batch_codec.encode((torch.zeros(4, dtype=torch.int64), torch.zeros(4),
                                        torch.zeros(4, 256))).nbytes  # one staged batch, ~4 KiB
     common = dict(hp_group_size=3, hp_group_timeout_s=30, cache_bytes=0, payload_floats=256,
                   hp_staging_bytes=capacity)
     jobs = [(1, dict(common, step_s=0.05)), (1, common), (1, common)]  # the first job trains slowly
-    procs, results, _start = _start_jobs(index_root, _group(), jobs)
+    procs, results = _start_jobs(tmp_path, index_root, _group(), jobs)
     runs = _collect(results, 3)
     _procs.join_ok(*procs)
     for _, seen, stats in runs:
@@ -104,11 +100,10 @@ def test_staging_memory_stays_bounded_when_one_job_is_slow(index_root):
 
 
 @pytest.mark.slow
-def test_a_job_joins_at_the_next_epoch_and_one_leaves_after_the_first(index_root):
+def test_a_job_joins_at_the_next_epoch_and_one_leaves_after_the_first(tmp_path, index_root):
     n, group = 40, _group()  # 10 batches per epoch
-    ctx = mp.get_context("spawn")
-    results, start, start_late, progress, late_ready = (ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event(),
-                                                        ctx.Event())
+    results = FileQueue(tmp_path)
+    start, start_late, progress, late_ready = (FileEvent(tmp_path) for _ in range(4))
     common = dict(hp_group_timeout_s=30, cache_bytes=0)
     stays = _procs.spawn(_procs.hp_job, index_root, n, group, 3, results,
                          dict(common, hp_group_size=2, step_s=0.25), start, progress)
@@ -133,12 +128,12 @@ def test_a_job_joins_at_the_next_epoch_and_one_leaves_after_the_first(index_root
 
 
 @pytest.mark.slow
-def test_a_job_killed_mid_epoch_is_taken_over_by_the_others(index_root):
+def test_a_job_killed_mid_epoch_is_taken_over_by_the_others(tmp_path, index_root):
     group, timeout_s = _group(), 5
     common = dict(hp_group_size=3, hp_group_timeout_s=timeout_s, cache_bytes=0)
     # The victim prepares slowly, so it dies with most of its share not yet published.
     victim_options = dict(common, decode_delay_s=0.1, kill_self_after=3)
-    procs, results, _start = _start_jobs(index_root, group, [(2, victim_options), (2, common), (2, common)])
+    procs, results = _start_jobs(tmp_path, index_root, group, [(2, victim_options), (2, common), (2, common)])
     victim, survivors = procs[0], procs[1:]
     runs = _collect(results, 2)
     _procs.join_ok(*survivors)
@@ -235,9 +230,9 @@ def _coordl(*args):
     return subprocess.run([sys.executable, "-m", "coordl.cli", *args], capture_output=True, text=True, timeout=60)
 
 
-def test_group_ls_and_rm_on_live_and_stale_groups():
+def test_group_ls_and_rm_on_live_and_stale_groups(tmp_path):
     stale_group, live_group = _group(), _group()
-    joined = mp.get_context("spawn").Event()
+    joined = FileEvent(tmp_path)
     proc = _procs.spawn(_procs.join_group_then_die, stale_group, joined)
     proc.join(_procs.JOIN_TIMEOUT)
     assert proc.exitcode == -signal.SIGKILL
@@ -262,9 +257,8 @@ def test_group_ls_and_rm_on_live_and_stale_groups():
 
 
 @pytest.mark.slow
-def test_dali_jobs_share_their_batches_too(index_root):
-    group, ctx = _group(), mp.get_context("spawn")
-    results, start = ctx.Queue(), ctx.Event()
+def test_dali_jobs_share_their_batches_too(tmp_path, index_root):
+    group, results, start = _group(), FileQueue(tmp_path), FileEvent(tmp_path)
     procs = [_procs.spawn(_procs.hp_dali_job, index_root, N, group, 2, results, start) for _ in range(2)]
     start.set()
     (_, seen_a, stats_a), (_, seen_b, stats_b) = _collect(results, 2)
@@ -280,9 +274,8 @@ def test_dali_jobs_share_their_batches_too(index_root):
 
 
 @pytest.mark.slow
-def test_dali_survivors_take_over_a_killed_jobs_share(index_root):
-    group, ctx = _group(), mp.get_context("spawn")
-    results, start = ctx.Queue(), ctx.Event()
+def test_dali_survivors_take_over_a_killed_jobs_share(tmp_path, index_root):
+    group, results, start = _group(), FileQueue(tmp_path), FileEvent(tmp_path)
     victim = _procs.spawn(_procs.hp_dali_job, index_root, N, group, 1, results, start, 3, 2)
     survivors = [_procs.spawn(_procs.hp_dali_job, index_root, N, group, 1, results, start, 3) for _ in range(2)]
     start.set()

@@ -1,6 +1,5 @@
 """SIGKILL at any moment never deadlocks or corrupts other users, and nothing is left in /dev/shm."""
 
-import multiprocessing as mp
 import os
 import random
 import secrets
@@ -13,6 +12,7 @@ import torchvision
 import coordl
 from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
 from tests import _procs
+from tests._signals import FileEvent
 
 
 def _wait_for(predicate, timeout=_procs.JOIN_TIMEOUT, what="condition"):
@@ -85,17 +85,17 @@ def test_main_process_killed_its_workers_remove_the_cache(fresh_image_root, tmp_
 
 
 @pytest.mark.slow
-def test_writers_killed_mid_insert_leave_every_cached_item_intact():
+def test_writers_killed_mid_insert_leave_every_cached_item_intact(tmp_path):
     n_items, item_bytes = 1000, 512 << 10
     capacity = (n_items + 4) * item_bytes  # a kill between reserving and marking leaks one item
-    rng, ctx, interrupted = random.Random(0), mp.get_context("spawn"), 0
+    rng, interrupted = random.Random(0), 0
     for round_ in range(4):  # a fresh cache each round, so the writers are always mid-fill when killed
         name = cache_segment_name(secrets.token_hex(6))
         survivor = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32),
                               label="test")
         try:
             survivor.stats()
-            events, go = [ctx.Event() for _ in range(2)], ctx.Event()
+            events, go = [FileEvent(tmp_path) for _ in range(2)], FileEvent(tmp_path)
             writers = [_procs.spawn(_procs.hammer_puts, name, n_items, item_bytes, capacity,
                                     10 * round_ + k, ev, go) for k, ev in enumerate(events)]
             assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in events)
@@ -120,11 +120,11 @@ def test_writers_killed_mid_insert_leave_every_cached_item_intact():
     assert interrupted > 0, "no writer was killed mid-insert: the test did not exercise recovery"
 
 
-def test_a_process_killed_holding_the_lock_blocks_nobody():
+def test_a_process_killed_holding_the_lock_blocks_nobody(tmp_path):
     name = cache_segment_name(secrets.token_hex(6))
     cache = MinIOCache(name, n_items=4, capacity_bytes=4096, fingerprint=bytes(32), label="test")
     cache.stats()
-    locked = mp.get_context("spawn").Event()
+    locked = FileEvent(tmp_path)
     proc = _procs.spawn(_procs.hold_lock_then_die, name, 4, 4096, locked)
     assert locked.wait(_procs.JOIN_TIMEOUT)
     proc.join(10)

@@ -1,6 +1,5 @@
 """The MinIO cache: exact hit accounting, concurrent fill, sharing across jobs, capacity checks."""
 
-import multiprocessing as mp
 import os
 import secrets
 
@@ -10,6 +9,7 @@ import torchvision
 import coordl
 from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
 from tests import _procs
+from tests._signals import FileBarrier, FileEvent, FileQueue
 from tests.conftest import dataset_bytes
 
 
@@ -63,10 +63,9 @@ def test_workers_fill_one_cache_concurrently_with_every_item_intact(image_root):
 
 
 @pytest.mark.slow
-def test_concurrent_inserters_each_item_inserted_once():
+def test_concurrent_inserters_each_item_inserted_once(tmp_path):
     name, n_items = _name(), 300
-    ctx = mp.get_context("spawn")
-    results, barrier = ctx.Queue(), ctx.Barrier(4)
+    results, barrier = FileQueue(tmp_path), FileBarrier(tmp_path, 4)
     procs = [_procs.spawn(_procs.put_all_and_report, name, n_items, 10**6, seed, results, barrier) for seed in range(4)]
     _procs.join_ok(*procs)
     assert sum(results.get(timeout=5) for _ in procs) == n_items
@@ -81,9 +80,8 @@ def test_full_cache_freezes_and_inserts_nothing_more():
 
 
 @pytest.mark.slow
-def test_two_independent_jobs_share_one_cache(image_root):
-    ctx = mp.get_context("spawn")
-    results, go_a, go_b, release = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+def test_two_independent_jobs_share_one_cache(tmp_path, image_root):
+    results, go_a, go_b, release = FileQueue(tmp_path), FileEvent(tmp_path), FileEvent(tmp_path), FileEvent(tmp_path)
     size = dataset_bytes(image_root)
     job_a = _procs.spawn(_procs.run_loader_epochs, image_root, size, 1, 2, results, go_a, release)
     job_b = _procs.spawn(_procs.run_loader_epochs, image_root, size, 1, 0, results, go_b, release)
