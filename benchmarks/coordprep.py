@@ -17,7 +17,7 @@ from the block device while the jobs train (counted from the moment all K jobs h
 they begin together), and (coordl) the staging area's peak. Device bytes come from a blkio cgroup
 holding the system's jobs when run as root with cgroup v1 (optionally also memory-limited with
 ``--memory-limit-mb``), else from each job's /proc/self/io (which includes its reaped workers); the
-output says which. As root the page cache is dropped before each system.
+output says which. The dataset's files are evicted from the page cache before each system.
 """
 
 import argparse
@@ -27,10 +27,15 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks.report import machine
+from benchmarks.storage_env import (Cleanup, block_device, cgroup_version, device_read_bytes, evict_files,
+                                    remove_cgroup_dir)
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
@@ -49,36 +54,30 @@ def _proc_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _blkio_read_bytes(blkio_dir: str, device: str) -> int:
-    with open(os.path.join(blkio_dir, "blkio.throttle.io_service_bytes")) as f:
-        return sum(int(line.split()[2]) for line in f if line.startswith(f"{device} Read"))
-
-
 class _Cgroups:
     """A blkio cgroup (counting device reads) and a memory cgroup for one system's jobs; removed on exit."""
 
     def __init__(self, name: str, device: str, memory_limit: int | None):
         self.blkio = os.path.join(CGROUP_ROOT, "blkio", name)
         self.memory = os.path.join(CGROUP_ROOT, "memory", name)
-        for path in (self.blkio, self.memory):
-            os.makedirs(path)
-        _write(os.path.join(self.blkio, "blkio.throttle.read_bps_device"), f"{device} {UNLIMITED_BPS}")
-        if memory_limit:
-            _write(os.path.join(self.memory, "memory.limit_in_bytes"), memory_limit)
+        self.counter = {"kind": "cgroup1", "file": os.path.join(self.blkio, "blkio.throttle.io_service_bytes"),
+                        "device": device}
+        try:
+            for path in (self.blkio, self.memory):
+                os.makedirs(path)
+            _write(os.path.join(self.blkio, "blkio.throttle.read_bps_device"), f"{device} {UNLIMITED_BPS}")
+            if memory_limit:
+                _write(os.path.join(self.memory, "memory.limit_in_bytes"), memory_limit)
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __enter__(self) -> "_Cgroups":
         return self
 
     def __exit__(self, *exc) -> None:
         for path in (self.blkio, self.memory):
-            for _ in range(50):
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # tasks still exiting
-                    time.sleep(0.1)
+            remove_cgroup_dir(path)
 
 
 def run_child(args) -> None:
@@ -146,15 +145,15 @@ def _run_jobs(system: str, args, root: str, device: str | None, cgroups: "_Cgrou
            "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--cache-bytes", str(args.cache_bytes)]
     if cgroups is not None:
         cmd += ["--blkio-cgroup", cgroups.blkio, "--memory-cgroup", cgroups.memory]
-    _drop_page_cache()
+    evict_files(root)
     logs = [tuple(open(os.path.join(workdir, f"{system}-{k}.{kind}"), "w+") for kind in ("out", "err"))
             for k in range(args.jobs)]
-    procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True) for out, err in logs]
+    procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True) for out, err in logs]
     try:
         # Count device reads from the moment every job has imported its libraries and built its loader.
         while not all(os.path.exists(f"{barrier}.{p.pid}") or p.poll() is not None for p in procs):
             time.sleep(0.05)
-        read_before = _blkio_read_bytes(cgroups.blkio, device) if cgroups is not None else 0
+        read_before = device_read_bytes(cgroups.counter) if cgroups is not None else 0
         _write(barrier, "go")
         for proc, (_, err) in zip(procs, logs):
             if proc.wait(timeout=3600) != 0:
@@ -162,10 +161,10 @@ def _run_jobs(system: str, args, root: str, device: str | None, cgroups: "_Cgrou
                 raise RuntimeError(f"a {system} job failed (exit {proc.returncode}; OOM-killed if -9):\n"
                                    f"{err.read()[-3000:]}")
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for proc in procs:  # each job with its workers (its own session)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     jobs = []
     for out, err in logs:
         out.seek(0)
@@ -175,19 +174,10 @@ def _run_jobs(system: str, args, root: str, device: str | None, cgroups: "_Cgrou
     rows = [[r for r in job if "epoch" in r] for job in jobs]
     group_state = next((r["group"] for job in jobs for r in job if "group" in r), None)
     if cgroups is not None:
-        device_bytes = _blkio_read_bytes(cgroups.blkio, device) - read_before
+        device_bytes = device_read_bytes(cgroups.counter) - read_before
     else:
         device_bytes = sum(r["proc_read_bytes"] for job in rows for r in job)
     return {"jobs": rows, "device_read_bytes": device_bytes, "group": group_state}
-
-
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        _write("/proc/sys/vm/drop_caches", 1)
-        return True
-    except OSError:
-        return False
 
 
 def _summary(system: dict, epochs: int, dataset_images: int) -> dict:
@@ -206,14 +196,8 @@ def _summary(system: dict, epochs: int, dataset_images: int) -> dict:
 
 
 def _tags() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    return {"host": platform.node(), "cpu": cpu, "cpu_count": os.cpu_count(), "gpu": None, "git_sha": sha}
+    return {"host": platform.node(), "machine": machine(), "git_sha": sha}
 
 
 def _markdown(result: dict) -> str:
@@ -267,17 +251,18 @@ def main(argv=None) -> int:
 
     from coordl.synthetic import make_image_folder
 
-    workdir = tempfile.mkdtemp(prefix="coordl-coordprep-", dir="/var/tmp")  # on disk, not tmpfs
-    try:
+    with Cleanup() as cleanup:  # also on Ctrl-C and SIGTERM
+        workdir = tempfile.mkdtemp(prefix="coordl-coordprep-", dir="/var/tmp")  # on disk, not tmpfs
+        cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
         root = os.path.join(workdir, "train")
         print(f"generating {args.images} JPEGs in {root} ...", flush=True)
         make_image_folder(root, args.images, mean_side_px=256 if args.quick else 448)
         dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-        st = os.stat(root)
-        device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-        cgroup_ok = os.geteuid() == 0 and os.path.isdir(os.path.join(CGROUP_ROOT, "blkio")) \
-            and os.path.isdir(os.path.join(CGROUP_ROOT, "memory"))
-        mode = "blkio cgroup" if cgroup_ok else "/proc/<pid>/io of each job (no root or no cgroup v1)"
+        device = block_device(root)
+        cgroup_ok = cgroup_version() == 1 and device is not None
+        mode = "blkio cgroup" if cgroup_ok else "/proc/<pid>/io of each job (no root, no cgroup v1 or no block device)"
+        if not cgroup_ok:
+            args.memory_limit_mb = 0  # nothing to apply it with
         print(f"{args.jobs} jobs x {args.workers} worker(s); dataset {dataset_bytes / 2**20:.1f} MiB; device "
               f"bytes from {mode}", flush=True)
         systems = {}
@@ -298,8 +283,6 @@ def main(argv=None) -> int:
             f.write(table)
         print("\n" + table)
         return 0
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

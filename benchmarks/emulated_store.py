@@ -25,7 +25,7 @@ class _Device:
         self.read_bps, self.page_cache_bytes = read_bps, page_cache_bytes
         self.lock = threading.Lock()
         self.pages: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.cached = self.read_bytes = self.cache_hits = 0
+        self.cached = self.read_bytes = 0
         self.busy_until = 0.0
 
     def read(self, path: str, keep: bool) -> bytes:
@@ -37,7 +37,6 @@ class _Device:
             hit = path in self.pages
             if hit:
                 self.pages.move_to_end(path)
-                self.cache_hits += 1
             else:
                 self.read_bytes += len(data)
                 start = max(time.monotonic(), self.busy_until)

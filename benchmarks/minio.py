@@ -14,7 +14,6 @@ docs/benchmarks.md.
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 
@@ -53,26 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
-
-
-def _proc_field(path: str, key: str) -> str | None:
-    with open(path) as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
-
-
-def _machine() -> dict:
-    """What the figures were measured on."""
-    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor()
-    memory = int(_proc_field("/proc/meminfo", "MemTotal").split()[0]) * 1024
-    versions = {}
-    for module in ("torch", "torchvision", "nvidia.dali"):
-        try:
-            versions[module] = __import__(module, fromlist=["__version__"]).__version__
-        except ImportError:
-            versions[module] = None
-    summary = f"{os.cpu_count()} × {model}, {memory / 2**30:.0f} GiB RAM, Linux {platform.release()}"
-    return {"summary": summary, "cpus": os.cpu_count(), "cpu_model": model, "memory_bytes": memory,
-            "kernel": platform.release(), "python": platform.python_version(), **versions}
 
 
 def _remove_caches(tag: str) -> None:
@@ -211,7 +190,7 @@ def main(argv=None) -> int:
         metrics.summarize(runs, bench.dataset_bytes, bench.bandwidth, args.compute_ms)
         result = {"storage_mode": bench.mode, "dataset_bytes": bench.dataset_bytes,
                   "bandwidth_bytes_per_s": bench.bandwidth, "runs": runs}
-        setup = {"storage_detail": bench.detail, "machine": _machine(),
+        setup = {"storage_detail": bench.detail, "machine": report.machine(),
                  "config": {"images": len(sizes), "mode": "quick" if args.quick else "full", "epochs": args.epochs,
                             "cache_fractions": args.fractions, "systems": args.systems,
                             "batch_size": args.batch_size, "workers": args.workers, "compute_ms": args.compute_ms,

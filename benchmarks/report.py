@@ -2,11 +2,32 @@
 
 import json
 import os
+import platform
 
 from benchmarks.metrics import measured
 
 MIB = 2**20
 NO_PLOTS = "plots skipped: matplotlib is not installed (pip install 'coordl[bench]')"
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    with open(path) as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), None)
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    model = _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+    memory = int(_proc_field("/proc/meminfo", "MemTotal").split()[0]) * 1024
+    versions = {}
+    for module in ("torch", "torchvision", "nvidia.dali"):
+        try:
+            versions[module] = __import__(module, fromlist=["__version__"]).__version__
+        except ImportError:
+            versions[module] = None
+    summary = f"{os.cpu_count()} × {model}, {memory / 2**30:.0f} GiB RAM, Linux {platform.release()}"
+    return {"summary": summary, "cpus": os.cpu_count(), "cpu_model": model, "memory_bytes": memory,
+            "kernel": platform.release(), "python": platform.python_version(), **versions}
 
 
 def _pct(x) -> str:

@@ -162,22 +162,28 @@ class Cgroup:
 
     def remove(self) -> None:
         """Kill what is left in the group, then remove it."""
-        for d in self.dirs:
-            for _ in range(100):
-                try:
-                    with open(os.path.join(d, "cgroup.procs")) as f:
-                        pids = [int(p) for p in f.read().split()]
-                    for pid in pids:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                    if d == self.dirs[0] and pids:
-                        self.bound(10**15, 0)  # wake tasks waiting for memory so that they can die
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # tasks still exiting
-                    time.sleep(0.05)
+        for d in self.dirs:  # waking tasks that wait for memory lets them die
+            remove_cgroup_dir(d, wake=lambda: self.bound(10**15, 0) if d == self.dirs[0] else None)
+
+
+def remove_cgroup_dir(path: str, wake=None) -> None:
+    """SIGKILL every process left in cgroup folder ``path`` (calling ``wake()`` if there were any), then
+    remove it; retries while its tasks exit, for up to 5 s."""
+    for _ in range(100):
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if pids and wake is not None:
+                wake()
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # tasks still exiting
+            time.sleep(0.05)
 
 
 def device_read_bytes(counter: dict) -> int:

@@ -6,6 +6,7 @@ separate lock file to leak, and the kernel releases the lock of a process that d
 """
 
 import contextlib
+import errno
 import fcntl
 import glob
 import mmap
@@ -33,6 +34,32 @@ def segment_path(name: str) -> str:
 def list_segments(kind: str) -> list[str]:
     """Names of all coordl segments of ``kind`` (``cdl_*_<kind>``) on this machine."""
     return sorted(os.path.basename(p) for p in glob.glob(segment_path(f"{SHM_PREFIX}*_{kind}")))
+
+
+class SegmentKind:
+    """Listing, removing and reclaiming the segments of one kind (caches, groups).
+
+    Args:
+        kind: the name suffix (see :func:`list_segments`).
+        inspect: ``inspect(name, remove_if)``: the segment's stats (None if it is gone), unlinking it
+            (and whatever belongs to it) when ``remove_if(stats)``.
+        users: the number of live processes using a segment, from its stats.
+    """
+
+    def __init__(self, kind: str, inspect, users):
+        self.kind, self._inspect, self._users = kind, inspect, users
+
+    def all_stats(self) -> list:
+        found = (self._inspect(name, remove_if=lambda s: False) for name in list_segments(self.kind))
+        return [s for s in found if s is not None]
+
+    def remove(self, name: str, *, force: bool = False) -> bool:
+        stats = self._inspect(name, remove_if=lambda s: force or self._users(s) == 0)
+        return stats is not None and (force or self._users(stats) == 0)
+
+    def cleanup_stale(self) -> list[str]:
+        removed = (self._inspect(name, remove_if=lambda s: self._users(s) == 0) for name in list_segments(self.kind))
+        return [s.name for s in removed if s is not None and self._users(s) == 0]
 
 
 def unlink_segment(name: str) -> None:
@@ -71,14 +98,17 @@ class Segment:
         self.buf = mm
 
     @classmethod
-    def create(cls, name: str, size: int) -> "Segment | None":
+    def create(cls, name: str, size: int, full_error) -> "Segment | None":
         """Create, size and map segment ``name``; None if it already exists.
 
         The caller holds its lock on return and must release it with :meth:`unlock`.
 
         Raises:
-            OSError: ``ENOSPC`` if /dev/shm cannot hold ``size`` bytes (the file is removed).
+            Exception: ``full_error(size, free bytes)``, the caller's message for it, if /dev/shm cannot
+                hold ``size`` bytes (checked first, and on ``ENOSPC``/``ENOMEM``; the file is removed).
         """
+        if size > free_shm_bytes():
+            raise full_error(size, free_shm_bytes())
         path = segment_path(name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -90,9 +120,11 @@ class Segment:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as e:
             os.unlink(path)
             os.close(fd)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise full_error(size, free_shm_bytes()) from e
             raise
         return cls(name, fd, mm)
 

@@ -79,6 +79,19 @@ def _demo(args) -> int:
     return 0
 
 
+def _add_ls_rm(sub, kind: str, what: str, *, ls: tuple, rm: tuple, users: str, in_use: str) -> None:
+    """``coordl KIND ls`` and ``coordl KIND rm [NAME ...] [--stale] [--force] [--dry-run]``."""
+    commands = sub.add_parser(kind, help=f"inspect and remove {what} in /dev/shm").add_subparsers(
+        dest=f"{kind}_command", required=True)
+    commands.add_parser("ls", help=ls[1]).set_defaults(func=ls[0])
+    remove = commands.add_parser("rm", help=rm[1])
+    remove.add_argument("names", nargs="*", help=f"{kind}s to remove (as `coordl {kind} ls` names them)")
+    remove.add_argument("--stale", action="store_true", help=f"remove every {kind} whose {users} are all gone")
+    remove.add_argument("--force", action="store_true", help=f"also remove {kind}s {in_use}")
+    remove.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    remove.set_defaults(func=rm[0])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordl", description="coordl: a DataLoader without data stalls.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,26 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", help="keep the dataset in DIR (generated once) instead of a temporary folder")
     demo.set_defaults(func=_demo)
 
-    cache = sub.add_parser("cache", help="inspect and remove MinIO caches in /dev/shm").add_subparsers(
-        dest="cache_command", required=True)
-    cache.add_parser("ls", help="list caches, their fill and users").set_defaults(func=_cache_ls)
-    rm = cache.add_parser("rm", help="remove caches")
-    rm.add_argument("names", nargs="*", help="caches to remove (as `coordl cache ls` names them)")
-    rm.add_argument("--stale", action="store_true", help="remove every cache whose users are all gone")
-    rm.add_argument("--force", action="store_true", help="also remove caches still in use")
-    rm.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    rm.set_defaults(func=_cache_rm)
-
-    group = sub.add_parser("group", help="inspect and remove hp_groups (coordinated prep) in /dev/shm").add_subparsers(
-        dest="group_command", required=True)
-    group.add_parser("ls", help="list groups, their members, epochs and staging memory").set_defaults(
-        func=_group_ls)
-    grm = group.add_parser("rm", help="remove groups and their staged batches")
-    grm.add_argument("names", nargs="*", help="groups to remove (as `coordl group ls` names them)")
-    grm.add_argument("--stale", action="store_true", help="remove every group whose members are all gone")
-    grm.add_argument("--force", action="store_true", help="also remove groups with live members")
-    grm.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    grm.set_defaults(func=_group_rm)
+    _add_ls_rm(sub, "cache", "MinIO caches", ls=(_cache_ls, "list caches, their fill and users"),
+               rm=(_cache_rm, "remove caches"), users="users", in_use="still in use")
+    _add_ls_rm(sub, "group", "hp_groups (coordinated prep)",
+               ls=(_group_ls, "list groups, their members, epochs and staging memory"),
+               rm=(_group_rm, "remove groups and their staged batches"), users="members", in_use="with live members")
     return parser
 
 

@@ -74,10 +74,10 @@ class _Source:
 class _Producer:
     """The producer thread's loop and what it shares with the consumer (see NOTE [ Producer and consumer ])."""
 
-    def __init__(self, group: HPGroup, ticket: EpochTicket, share: Iterator,
+    def __init__(self, group: HPGroup, ticket: EpochTicket, share: Iterator, share_ids: list[int], generation: int,
                  prepare: Callable[[list[list[int]]], Iterator], plan: list[list[int]], counters: GroupCounters):
         self.group, self.epoch, self.plan, self.prepare, self.counters = group, ticket.epoch, plan, prepare, counters
-        self.share_ids = group.batches_of_mine()
+        self.share_ids, self.generation = share_ids, generation
         self.share = share
         self.ready: dict[int, Any] = {}
         self.cond = threading.Condition()
@@ -101,7 +101,7 @@ class _Producer:
 
     def _loop(self) -> None:
         sources = [_Source(self.share_ids, self.share)]
-        known, generation = set(self.share_ids), self.group.generation
+        known, generation = set(self.share_ids), self.generation
         backoff, last_check = _Backoff(), time.monotonic()
         while not self.stop.is_set():
             if self.group.generation != generation:
@@ -166,7 +166,9 @@ class CoordinatedEpoch:
         group: this job's group membership.
         ticket: the epoch, as :meth:`HPGroup.start_epoch` returned it.
         plan: the epoch's batches (sample indices), the same in every member.
-        share: this job's share (``group.batches_of_mine()``) in order: torch's iterator or a ``DaliEpoch``.
+        share: this job's share in order: torch's iterator or a ``DaliEpoch``.
+        share_ids, generation: the share's batch ids and the generation read before them
+            (:meth:`HPGroup.share_of_mine`, read once for ``share`` and here).
         prepare: makes batches (lists of sample indices) in this process, for batches taken over: returns
             an iterator over them, in order, whose ``close()`` (if any) is called when the producer ends.
         counters: where this job's counts for the epoch go.
@@ -177,11 +179,12 @@ class CoordinatedEpoch:
     """
 
     def __init__(self, group: HPGroup, ticket: EpochTicket, plan: list[list[int]], share: Iterator,
-                 prepare: Callable[[list[list[int]]], Iterator], counters: GroupCounters, pin_memory: bool = False):
+                 share_ids: list[int], generation: int, prepare: Callable[[list[list[int]]], Iterator],
+                 counters: GroupCounters, pin_memory: bool = False):
         self._group, self._ticket, self._plan, self._pin = group, ticket, plan, pin_memory
         self._counters = counters
         self._next = 0
-        self._producer = _Producer(group, ticket, share, prepare, plan, counters)
+        self._producer = _Producer(group, ticket, share, share_ids, generation, prepare, plan, counters)
         self._thread = threading.Thread(target=self._producer.run, name=f"coordl-hp-group-epoch-{ticket.epoch}",
                                         daemon=True)
         self._finished = [False]

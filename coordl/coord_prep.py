@@ -26,7 +26,6 @@ replaced by the next job that asks for it, or removed by :func:`cleanup_stale` /
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -40,7 +39,7 @@ import numpy as np
 from coordl._constants import GROUP_KIND, SHM_PREFIX
 from coordl._group_state import ALONE, NOT_MINE, GroupState, GroupStats, MemberStats, header_ok, segment_size, \
     staged_name, staged_prefix
-from coordl._shm import Segment, free_shm_bytes, list_segments, unlink_segments
+from coordl._shm import Segment, SegmentKind, unlink_segments
 from coordl._sizes import format_bytes
 from coordl.exceptions import GroupMismatchError, ShmCapacityError, StagingError
 
@@ -86,7 +85,6 @@ class EpochTicket:
     epoch: int
     members: int
     slot: int
-    n_batches: int
 
 
 def _leave(segment: Segment, lock: threading.RLock, slot: int, pid: int) -> None:
@@ -185,11 +183,9 @@ class HPGroup:
         raise RuntimeError(f"internal error: could not create or attach hp_group {self.group!r} ({self.name})")
 
     def _create(self) -> Segment | None:
-        size = segment_size(self.n_batches)
-        if size > free_shm_bytes():
-            raise ShmCapacityError(f"hp_group {self.group!r} needs {format_bytes(size)} of /dev/shm but only "
-                                   f"{format_bytes(free_shm_bytes())} is free; free /dev/shm (`coordl cache ls`).")
-        segment = Segment.create(self.name, size)
+        segment = Segment.create(self.name, segment_size(self.n_batches), lambda size, free: ShmCapacityError(
+            f"hp_group {self.group!r} needs {format_bytes(size)} of /dev/shm but only {format_bytes(free)} is free; "
+            f"free /dev/shm (`coordl cache ls`)."))
         if segment is None:
             return None
         seed = self.requested_seed
@@ -268,7 +264,7 @@ class HPGroup:
                 state.try_seal(self.timeout_s)
                 mine, running, members = state.epoch_of(self._slot)
             if mine == upcoming:
-                return EpochTicket(upcoming, members, self._slot, self.n_batches)
+                return EpochTicket(upcoming, members, self._slot)
             if not logged and time.monotonic() - started > self.timeout_s:
                 logger.info("hp_group %r: waiting for epoch %d to start (the group is in epoch %d)", self.group,
                             upcoming, running)
@@ -283,6 +279,11 @@ class HPGroup:
     def batches_of_mine(self) -> list[int]:
         """The batches of the running epoch that this job prepares (its share and any taken over)."""
         return self._state.batches_of(self._slot)
+
+    def share_of_mine(self) -> tuple[int, list[int]]:
+        """``(generation, batches_of_mine())``, read in that order: a change after it shows as a new generation."""
+        generation = self.generation
+        return generation, self.batches_of_mine()
 
     @property
     def generation(self) -> int:
@@ -327,15 +328,10 @@ class HPGroup:
             ShmCapacityError: /dev/shm is full.
         """
         name = staged_name(self.name, seq)
-        try:
-            segment = Segment.create(name, max(nbytes, 1))
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise ShmCapacityError(
-                    f"/dev/shm is full: cannot stage a batch of {format_bytes(nbytes)} for hp_group {self.group!r} "
-                    f"({format_bytes(free_shm_bytes())} free). Pass a smaller hp_staging_bytes=, free /dev/shm "
-                    f"(`coordl cache ls`, `coordl group ls`), or enlarge it (docker: --shm-size).") from e
-            raise
+        segment = Segment.create(name, max(nbytes, 1), lambda size, free: ShmCapacityError(
+            f"/dev/shm is full: cannot stage a batch of {format_bytes(size)} for hp_group {self.group!r} "
+            f"({format_bytes(free)} free). Pass a smaller hp_staging_bytes=, free /dev/shm "
+            f"(`coordl cache ls`, `coordl group ls`), or enlarge it (docker: --shm-size)."))
         if segment is None:
             raise StagingError(f"internal error: staged batch segment {name} already exists")
         segment.unlock()
@@ -396,19 +392,19 @@ def _inspect(name: str, remove_if) -> GroupStats | None:
         segment.close()
 
 
+_GROUPS = SegmentKind(GROUP_KIND, _inspect, lambda s: s.members_alive)
+
+
 def list_groups() -> list[GroupStats]:
     """Every hp_group on this machine, with dead members reaped."""
-    found = (_inspect(name, remove_if=lambda s: False) for name in list_segments(GROUP_KIND))
-    return [s for s in found if s is not None]
+    return _GROUPS.all_stats()
 
 
 def remove_group(name: str, *, force: bool = False) -> bool:
     """Remove group segment ``name`` and its staged batches; only if no member lives unless ``force``."""
-    stats = _inspect(name, remove_if=lambda s: force or s.members_alive == 0)
-    return stats is not None and (force or stats.members_alive == 0)
+    return _GROUPS.remove(name, force=force)
 
 
 def cleanup_stale() -> list[str]:
     """Remove every group whose members are all dead; return their names."""
-    removed = (_inspect(name, remove_if=lambda s: s.members_alive == 0) for name in list_segments(GROUP_KIND))
-    return [s.name for s in removed if s is not None and s.members_alive == 0]
+    return _GROUPS.cleanup_stale()

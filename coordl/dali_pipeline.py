@@ -209,20 +209,25 @@ class DaliBackend:
         self.discard()
 
     def explain(self, error: Exception) -> Exception:
-        """A DALI failure while decoding → a :class:`SampleError` naming the file that fails to decode,
-        found among the batches DALI had been given; else ``error`` itself."""
+        """A DALI failure while decoding → a :class:`SampleError` naming the file that fails to read, or
+        the image file that fails to decode, found among the batches DALI had been given; else ``error``
+        itself (other files, audio for one, cannot be checked here)."""
         from PIL import Image
+        from torchvision.datasets.folder import IMG_EXTENSIONS
         in_flight = [i for batch in (self._feeder.in_flight if self._feeder else ()) for i in batch]
         scratch = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
         for index in in_flight:
             try:
                 raw = self.cached.fetch(index, scratch)
-                with Image.open(io.BytesIO(raw)) as image:
-                    image.load()
             except SampleError as e:
                 return e
+            key = self.cached.source.raw_key(index)
+            if not str(key).lower().endswith(IMG_EXTENSIONS):
+                continue
+            try:
+                with Image.open(io.BytesIO(raw)) as image:
+                    image.load()
             except Exception as e:
-                key = self.cached.source.raw_key(index)
                 first = str(error).strip().splitlines()
                 return SampleError(f"cannot decode sample {index} ({key}, {len(raw)} bytes): {e} "
                                    f"(DALI: {' '.join(first[2:6]) if len(first) > 2 else error})")

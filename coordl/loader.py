@@ -287,7 +287,8 @@ class DataLoader(torch.utils.data.DataLoader):
         group_counters.members = ticket.members
         plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self._share_shuffled(),
                           self._group.seed, ticket.epoch)
-        self._share.batches = [plan[b] for b in self._group.batches_of_mine()]
+        generation, mine = self._group.share_of_mine()  # read once: the producer must pair the same ids
+        self._share.batches = [plan[b] for b in mine]
         try:
             if self._dali is not None:  # this job's share through its DALI pipeline, takeovers through twins
                 seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
@@ -297,7 +298,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 share = super().__iter__()
                 self._last_pass = weakref.ref(share)
                 prepare = functools.partial(_prepare_batches, self.dataset, self.collate_fn)
-            coordinated = CoordinatedEpoch(self._group, ticket, plan, share, prepare, group_counters,
+            coordinated = CoordinatedEpoch(self._group, ticket, plan, share, mine, generation, prepare, group_counters,
                                            pin_memory=self.pin_memory and torch.cuda.is_available())
         except BaseException:
             self._group.leave_epoch()  # the others take over this job's share
@@ -432,11 +433,10 @@ class _ShareSampler:
         return len(self.batches)
 
 
-def _prepare_batches(dataset, collate_fn, batches: list[list[int]]):
+def _prepare_batches(dataset: CachedDataset, collate_fn, batches: list[list[int]]):
     """Batches made in this process (taken over from a failed member), as torch's fetcher makes them."""
-    getitems = getattr(dataset, "__getitems__", None)
     for indices in batches:
-        yield collate_fn(getitems(indices) if getitems else [dataset[i] for i in indices])
+        yield collate_fn(dataset.__getitems__(indices))
 
 
 def _prepare_dali_batches(backend, seed: int, batches: list[list[int]]):

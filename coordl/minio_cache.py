@@ -33,7 +33,6 @@ someone takes the lock, so a cache left behind by killed jobs is reclaimed by th
 """
 
 import dataclasses
-import errno
 import logging
 import multiprocessing.util
 import os
@@ -42,7 +41,7 @@ import time
 import numpy as np
 
 from coordl._constants import CACHE_KIND, MAX_CACHE_USERS, SHM_PREFIX
-from coordl._shm import Segment, free_shm_bytes, list_segments
+from coordl._shm import Segment, SegmentKind
 from coordl._sizes import format_bytes
 from coordl._sysinfo import is_process_alive, process_start_ticks
 from coordl.exceptions import CacheMismatchError, ShmCapacityError
@@ -231,15 +230,7 @@ class MinIOCache:
         raise RuntimeError(f"internal error: could not create or attach cache {self.name}")
 
     def _create(self, size: int) -> Segment | None:
-        free = free_shm_bytes()
-        if size > free:
-            raise self._capacity_error(size, free)
-        try:
-            segment = Segment.create(self.name, size)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise self._capacity_error(size, free_shm_bytes()) from e
-            raise
+        segment = Segment.create(self.name, size, self._capacity_error)
         if segment is None:
             return None
         buf = segment.buf
@@ -417,10 +408,12 @@ def _inspect(name: str, remove_if) -> CacheStats | None:
         segment.close()
 
 
+_CACHES = SegmentKind(CACHE_KIND, _inspect, lambda s: s.users_alive)
+
+
 def list_caches() -> list[CacheStats]:
     """Every MinIO cache on this machine, with dead users reaped."""
-    found = (_inspect(name, remove_if=lambda s: False) for name in list_segments(CACHE_KIND))
-    return [s for s in found if s is not None]
+    return _CACHES.all_stats()
 
 
 def remove_cache(name: str, *, force: bool = False) -> bool:
@@ -428,11 +421,9 @@ def remove_cache(name: str, *, force: bool = False) -> bool:
 
     Processes still mapping a forcibly removed cache keep working; its memory is freed when they close.
     """
-    stats = _inspect(name, remove_if=lambda s: force or s.users_alive == 0)
-    return stats is not None and (force or stats.users_alive == 0)
+    return _CACHES.remove(name, force=force)
 
 
 def cleanup_stale() -> list[str]:
     """Remove every cache whose users are all dead; return their names."""
-    return [s.name for s in (_inspect(name, remove_if=lambda s: s.users_alive == 0)
-                             for name in list_segments(CACHE_KIND)) if s is not None and s.users_alive == 0]
+    return _CACHES.cleanup_stale()

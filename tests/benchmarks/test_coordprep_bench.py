@@ -4,8 +4,10 @@ coordinated prep promises, and nothing left behind."""
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,3 +42,34 @@ def test_quick_run(tmp_path, backend, systems):
     assert "| " + systems[1] + " |" in (out / "results.md").read_text()
     assert _leftovers() == before
     assert {g.name for g in list_groups()} == groups_before
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_leaves_nothing(tmp_path):
+    before, groups_before = _leftovers(), {g.name for g in list_groups()}
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick",
+                             "--out", str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("running 2 coordl jobs"):  # mid-run: its cgroups, workdir and jobs exist
+            time.sleep(2)
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0 and not (tmp_path / "out" / "results.json").exists()
+    assert _leftovers() == before
+    assert {g.name for g in list_groups()} == groups_before
+    assert not _child_jobs()
+
+
+def _child_jobs() -> list[str]:
+    found = []
+    for proc_dir in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(f"{proc_dir}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "benchmarks.coordprep" in cmdline and "--child" in cmdline:
+            found.append(cmdline)
+    return found

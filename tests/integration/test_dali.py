@@ -1,6 +1,5 @@
 """The DALI backend on the CPU: presets, the epoch plan, the cache, errors, and the plain-DALI baselines."""
 
-import io
 import json
 import logging
 import math

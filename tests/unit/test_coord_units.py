@@ -24,9 +24,13 @@ def test_epoch_plans_are_shared_per_epoch_and_new_each_epoch():
     assert epoch_plan(5, 2, False, False, seed=5, epoch=3) == [[0, 1], [2, 3], [4]]
 
 
+def _shm_full(size: int, free: int) -> Exception:
+    return AssertionError(f"/dev/shm cannot hold a test segment of {size} bytes ({free} free)")
+
+
 def _round_trip(batch, epoch=2, batch_id=7, mapped=False):
     encoded = _batch_codec.encode(batch)
-    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes)
+    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
     segment.unlock()
     try:
         _batch_codec.write(encoded, segment.buf, epoch, batch_id)
@@ -67,7 +71,7 @@ def test_unsupported_batches_and_foreign_segments_are_refused():
 def test_mapped_tensors_of_a_staged_batch_outlive_it_and_keep_writes_to_themselves():
     images = torch.randn(8, 3, 128, 128)  # 1.5 MiB: mapped
     encoded = _batch_codec.encode((images, torch.arange(8)))
-    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes)
+    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
     segment.unlock()
     _batch_codec.write(encoded, segment.buf, 1, 0)
     mine, theirs = (_batch_codec.read(segment.buf, 1, 0, map_range=segment.private_map) for _ in range(2))
