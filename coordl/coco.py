@@ -4,15 +4,12 @@ import json
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
-
 import numpy as np
-import torch.utils.data
 
-from coordl.raw_datasets import decode_image
+from coordl.raw_datasets import FileDataset
 
 
-class CocoDetection(torch.utils.data.Dataset):
+class CocoDetection(FileDataset):
     """Images of a COCO-style annotation file, one file per sample.
 
     Items are ``(image, annotations)`` as torchvision's ``CocoDetection`` gives them: an RGB PIL
@@ -41,26 +38,8 @@ class CocoDetection(torch.utils.data.Dataset):
         self.root = root
         self.images = images
         self.annotations = [by_image[im["id"]] for im in images]
-        self.transform = transform
-        self.target_transform = target_transform
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def raw_key(self, index: int) -> str:
-        return os.path.join(self.root, self.images[index]["file_name"])
-
-    def decode_raw(self, index: int, raw: bytes) -> Any:
-        image, target = decode_image(raw), self.annotations[index]
-        if self.transform is not None:
-            image = self.transform(image)
-        if self.target_transform is not None:
-            target = self.target_transform(target)
-        return image, target
-
-    def __getitem__(self, index: int) -> Any:
-        with open(self.raw_key(index), "rb") as f:
-            return self.decode_raw(index, f.read())
+        super().__init__([os.path.join(root, im["file_name"]) for im in images], self.annotations, "image",
+                         transform, target_transform)
 
     def dali_target(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(boxes float32 [n, 4] relative x0 y0 x1 y1 clipped to the image, labels int32 [n]); crowd

@@ -1,6 +1,7 @@
 """Module-level process targets for multi-process tests (picklable under spawn) and a runner."""
 
 import faulthandler
+import glob
 import multiprocessing as mp
 import os
 import random
@@ -30,6 +31,20 @@ def join_ok(*procs: mp.Process, timeout: float = JOIN_TIMEOUT) -> None:
             proc.join()
             raise AssertionError(f"process {proc.pid} hung (stacks dumped to stderr)")
         assert proc.exitcode == 0, f"process {proc.pid} exited with {proc.exitcode}"
+
+
+def command_lines(match) -> list[str]:
+    """Command lines of this machine's processes for which ``match(command_line)`` holds."""
+    found = []
+    for proc_dir in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(f"{proc_dir}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace").replace("\0", " ")
+        except OSError:
+            continue
+        if match(cmdline):
+            found.append(f"{os.path.basename(proc_dir)}: {cmdline}")
+    return found
 
 
 def _debuggable() -> None:

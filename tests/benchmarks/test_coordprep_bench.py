@@ -12,6 +12,7 @@ import time
 import pytest
 
 from coordl.coord_prep import list_groups
+from tests import _procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,17 +60,4 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
     assert proc.returncode != 0 and not (tmp_path / "out" / "results.json").exists()
     assert _leftovers() == before
     assert {g.name for g in list_groups()} == groups_before
-    assert not _child_jobs()
-
-
-def _child_jobs() -> list[str]:
-    found = []
-    for proc_dir in glob.glob("/proc/[0-9]*"):
-        try:
-            with open(f"{proc_dir}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "benchmarks.coordprep" in cmdline and "--child" in cmdline:
-            found.append(cmdline)
-    return found
+    assert not _procs.command_lines(lambda cmd: "benchmarks.coordprep" in cmd and "--child" in cmd)

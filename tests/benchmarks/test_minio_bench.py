@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.storage_env import PREFIX, block_device, cgroup_version
 from coordl.minio_cache import list_caches
+from tests import _procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGES = 96
@@ -41,14 +42,7 @@ def _leftovers(pid: int, *folders: str) -> list[str]:
     found = glob.glob(f"/sys/fs/cgroup/*/{tag}-*") + glob.glob(f"/sys/fs/cgroup/{tag}-*")
     found += [os.path.join(f, name) for f in folders for name in os.listdir(f) if name.startswith(PREFIX)]
     found += [s.name for s in list_caches() if s.label.startswith(tag)]
-    for proc_dir in glob.glob("/proc/[0-9]*"):
-        try:
-            with open(f"{proc_dir}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "benchmarks.systems" in cmdline and any(folder in cmdline for folder in folders):
-            found.append(f"process {proc_dir}: {cmdline[:100]}")
+    found += _procs.command_lines(lambda cmd: "benchmarks.systems" in cmd and any(f in cmd for f in folders))
     return found
 
 
