@@ -1,7 +1,8 @@
 """Names, limits and defaults shared across coordl, each documented where it is defined."""
 
-SHM_DIR = "/dev/shm"
-"""Where node-wide shared memory lives (tmpfs on Linux)."""
+SHM_DIR_ENV = "COORDL_SHM_DIR"
+"""Environment variable naming the tmpfs directory that holds coordl's shared memory (default /dev/shm):
+jobs share caches and groups only with jobs that use the same directory."""
 
 SHM_PREFIX = "cdl_"
 """Prefix of every shared-memory file coordl creates: ``cdl_<12-hex scope token>_<kind>``."""
@@ -15,8 +16,9 @@ MAX_CACHE_USERS = 1024
 AUTO_CACHE_MEMORY_FRACTION = 0.5
 """``cache_bytes="auto"`` takes at most this share of available memory..."""
 
-AUTO_CACHE_SHM_FRACTION = 0.9
-"""...and at most this share of free /dev/shm, and never more than the dataset."""
+AUTO_CACHE_SHM_KEEP_FRACTION = 0.1
+"""...and, growing, leaves this share of the shm file system free (for other jobs and torch's in-flight
+batches) besides the measured in-flight batches, and never takes more than the dataset."""
 
 LOG_LEVEL_ENV = "COORDL_LOG_LEVEL"
 """Environment variable that turns on coordl's log output, e.g. ``COORDL_LOG_LEVEL=INFO``."""

@@ -36,19 +36,20 @@ import numpy as np
 
 from coordl._constants import GROUP_KIND, MAX_GROUP_MEMBERS, STAGED_KIND_PREFIX, STAGING_SLOTS
 from coordl._shm import Segment, unlink_segment
-from coordl._sysinfo import is_process_alive, process_start_ticks
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = int.from_bytes(b"COORDLG1", "little")
-_VERSION = 1
+_VERSION = 2
+LAYOUT_VERSION = _VERSION
+"""Layout version of group segments (part of their name, so versions never share a group)."""
 (_H_MAGIC, _H_VERSION, _H_READY, _H_CREATED_NS, _H_CREATOR_PID, _H_N_BATCHES, _H_CAPACITY, _H_SEED, _H_EPOCH,
  _H_ACTIVE, _H_OPEN_SINCE_NS, _H_STAGED_BYTES, _H_PEAK_BYTES, _H_SEQ, _H_GENERATION, _H_MEMBERS) = range(16)
 _HEADER_FIELDS = 64
 _LABEL_AT, _LABEL_LEN = 1024, 256
-_CONFIG_AT, _CONFIG_LEN = 1280, 2816
+_CONFIG_AT, _CONFIG_LEN = 1280, 2752  # up to _shm.LOCK_INFO_AT
 _HEADER_BYTES = 4096
-(_M_PID, _M_TICKS, _M_EXPECT, _M_ARRIVED_FOR, _M_IN_EPOCH, _M_CURSOR, _M_DONE_NS, _M_PREPARED, _M_SHARED,
+(_M_PID, _M_JOINED_NS, _M_EXPECT, _M_ARRIVED_FOR, _M_IN_EPOCH, _M_CURSOR, _M_DONE_NS, _M_PREPARED, _M_SHARED,
  _M_EPOCHS) = range(10)
 _MEMBER_FIELDS = 16
 _MEMBERS_AT = _HEADER_BYTES
@@ -79,12 +80,13 @@ def staged_prefix(group_segment: str) -> str:
     return group_segment[:-len(GROUP_KIND)] + STAGED_KIND_PREFIX
 
 
-def header_ok(segment: Segment) -> bool:
-    """Whether ``segment`` holds a published group header of this layout."""
-    if segment.size < _OWNERS_AT:
+def header_ok(buf) -> bool:
+    """Whether ``buf`` holds a published group header of this layout."""
+    if len(buf) < _OWNERS_AT:
         return False
-    header = np.ndarray((_HEADER_FIELDS,), np.int64, segment.buf, 0)
-    return bool(header[_H_MAGIC] == _MAGIC and header[_H_VERSION] == _VERSION and header[_H_READY])
+    header = np.frombuffer(buf, np.int64, _HEADER_FIELDS, 0)
+    return bool(header[_H_MAGIC] == _MAGIC and header[_H_VERSION] == _VERSION and header[_H_READY]
+                and len(buf) >= segment_size(int(header[_H_N_BATCHES])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,16 +186,16 @@ class GroupState:
 
     # -- membership --------------------------------------------------------------------------
 
-    def register(self, pid: int, expected_members: int) -> int | None:
-        """Enter ``pid`` in a free member slot (not one still counted in the running epoch); its slot."""
+    def free_slots(self) -> list[int]:
+        """Member slots a new member may take (empty, and not still counted in the running epoch)."""
         busy = int(self.header[_H_ACTIVE])
-        free = [s for s in range(MAX_GROUP_MEMBERS) if not self.members[s, _M_PID] and not busy >> s & 1]
-        if not free:
-            return None
-        row = self.members[free[0]]
+        return [s for s in range(MAX_GROUP_MEMBERS) if not self.members[s, _M_PID] and not busy >> s & 1]
+
+    def register(self, slot: int, pid: int, expected_members: int) -> None:
+        """Enter ``pid`` in free member ``slot`` (whose liveness lock the caller now holds)."""
+        row = self.members[slot]
         row[:] = 0
-        row[_M_PID], row[_M_TICKS], row[_M_EXPECT] = pid, process_start_ticks(pid), expected_members
-        return free[0]
+        row[_M_PID], row[_M_JOINED_NS], row[_M_EXPECT] = pid, time.time_ns(), expected_members
 
     def unregister(self, slot: int, pid: int) -> None:
         """Remove member ``slot`` (if ``pid`` still holds it), failing its part of the running epoch."""
@@ -201,12 +203,12 @@ class GroupState:
             self.fail(slot, "left")
             self.members[slot] = 0
 
-    def reap(self) -> int:
-        """Fail and unregister members whose process is gone; return how many live members remain."""
+    def reap(self, live: list[int]) -> int:
+        """Fail and unregister members whose liveness slot is not in ``live``; return how many live members
+        remain."""
         alive = 0
         for slot in np.flatnonzero(self.members[:, _M_PID]):
-            pid, ticks = int(self.members[slot, _M_PID]), int(self.members[slot, _M_TICKS])
-            if is_process_alive(pid, ticks):
+            if int(slot) in live:
                 alive += 1
             else:
                 self.fail(int(slot), "died")
@@ -377,12 +379,13 @@ class GroupState:
 
     # -- inspection ----------------------------------------------------------------------------
 
-    def snapshot(self, name: str) -> GroupStats:
+    def snapshot(self, name: str, live: list[int]) -> GroupStats:
+        """The group as ``coordl group ls`` shows it; ``live``: the member slots whose process is alive."""
         members = tuple(
-            MemberStats(pid=int(r[_M_PID]), alive=is_process_alive(int(r[_M_PID]), int(r[_M_TICKS])),
+            MemberStats(pid=int(r[_M_PID]), alive=slot in live,
                         epoch=int(r[_M_IN_EPOCH]), cursor=int(r[_M_CURSOR]), waiting_for=int(r[_M_ARRIVED_FOR]),
                         prepared=int(r[_M_PREPARED]), shared=int(r[_M_SHARED]), epochs_done=int(r[_M_EPOCHS]))
-            for r in self.members if r[_M_PID])
+            for slot, r in enumerate(self.members) if r[_M_PID])
         h = self.header
         return GroupStats(name=name, label=self.label, epoch=int(h[_H_EPOCH]), n_batches=len(self.owners),
                           members=members, staged_batches=int(np.count_nonzero(self.ring[:, _R_STATE] != _FREE)),

@@ -5,56 +5,85 @@ import sys
 from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
+from coordl._shm import Unreadable, shm_dir
 from coordl._sizes import format_bytes
 
 
+def _print_unreadable(found: list) -> None:
+    for item in found:
+        if isinstance(item, Unreadable):
+            print(f"{item.name}  ({item.why})")
+
+
 def _cache_ls(args) -> int:
-    caches = minio_cache.list_caches()
-    if not caches:
-        print("no coordl caches in /dev/shm")
+    found = minio_cache.list_caches()
+    if not found:
+        print(f"no coordl caches in {shm_dir()}")
         return 0
-    print(f"{'name':<24}{'items':>16}{'bytes':>24}{'frozen':>8}{'users':>7}  dataset")
+    caches = [c for c in found if not isinstance(c, Unreadable)]
+    if caches:
+        print(f"{'name':<24}{'items':>16}{'bytes':>24}{'frozen':>8}{'users':>7}  dataset")
     for c in caches:
         items = f"{c.items_cached}/{c.n_items}"
         size = f"{format_bytes(c.bytes_cached)}/{format_bytes(c.capacity_bytes)}"
         state = "stale" if c.users_alive == 0 else str(c.users_alive)
         print(f"{c.name:<24}{items:>16}{size:>24}{'yes' if c.frozen else 'no':>8}{state:>7}  {c.label}")
+    _print_unreadable(found)
     return 0
 
 
 def _remove(args, kind: str, found: dict, alive: Callable, remove: Callable, describe: Callable) -> int:
-    """``coordl cache rm`` / ``coordl group rm``: the named (or all stale) segments of one kind."""
+    """``coordl cache rm`` / ``coordl group rm``: the named (or all stale) segments of one kind.
+
+    Never waits on a lock: a segment whose lock is held by a process is in use.
+    """
     if not args.names and not args.stale:
         print(f"name the {kind}s to remove (see `coordl {kind} ls`), or pass --stale", file=sys.stderr)
         return 2
-    targets = list(args.names) or [name for name, item in found.items() if alive(item) == 0]
+    readable = {name: item for name, item in found.items() if not isinstance(item, Unreadable)}
+    targets = list(args.names) or [name for name, item in readable.items() if alive(item) == 0]
     status = 0
     for name in targets:
         item = found.get(name)
         if item is None:
             print(f"{name}: no such {kind}", file=sys.stderr)
             status = 1
-        elif alive(item) and not args.force:
-            print(f"{name}: in use by {alive(item)} process(es); pass --force to remove it anyway", file=sys.stderr)
+        elif isinstance(item, Unreadable) and not args.force:
+            print(f"{name}: {item.why}; pass --force to remove it anyway", file=sys.stderr)
+            status = 1
+        elif not isinstance(item, Unreadable) and alive(item) and (args.stale or not args.force):
+            print(f"{name}: in use by {alive(item)} process(es)"
+                  f"{'' if args.stale else '; pass --force to remove it anyway'}", file=sys.stderr)
             status = 1
         elif args.dry_run:
             print(f"would remove {name} ({describe(item)})")
         elif remove(name, force=args.force):
             print(f"removed {name} ({describe(item)})")
+        else:
+            print(f"{name}: not removed: a process holds it (in use)", file=sys.stderr)
+            status = 1
     return status
+
+
+def _describe_cache(c) -> str:
+    return c.why if isinstance(c, Unreadable) else f"{format_bytes(c.capacity_bytes)}, {c.label}"
+
+
+def _describe_group(g) -> str:
+    return g.why if isinstance(g, Unreadable) else f"group {g.label!r}, {g.staged_batches} staged batch(es)"
 
 
 def _cache_rm(args) -> int:
     return _remove(args, "cache", {c.name: c for c in minio_cache.list_caches()}, lambda c: c.users_alive,
-                   minio_cache.remove_cache, lambda c: f"{format_bytes(c.capacity_bytes)}, {c.label}")
+                   minio_cache.remove_cache, _describe_cache)
 
 
 def _group_ls(args) -> int:
-    groups = coord_prep.list_groups()
-    if not groups:
-        print("no coordl hp_groups in /dev/shm")
+    found = coord_prep.list_groups()
+    if not found:
+        print(f"no coordl hp_groups in {shm_dir()}")
         return 0
-    for g in groups:
+    for g in (g for g in found if not isinstance(g, Unreadable)):
         state = "stale" if g.members_alive == 0 else f"{g.members_alive} member(s)"
         print(f"{g.name}  group {g.label!r}: epoch {g.epoch}, {g.n_batches} batches per epoch, {state}; staging "
               f"{g.staged_batches} batch(es), {format_bytes(g.staged_bytes)} of {format_bytes(g.capacity_bytes)} "
@@ -64,12 +93,13 @@ def _group_ls(args) -> int:
             waiting = f", waiting for epoch {m.waiting_for}" if m.waiting_for else ""
             print(f"    pid {m.pid:<8}{'alive' if m.alive else 'dead':<7}{where}{waiting}; prepared {m.prepared}, "
                   f"taken from others {m.shared}, epochs done {m.epochs_done}")
+    _print_unreadable(found)
     return 0
 
 
 def _group_rm(args) -> int:
     return _remove(args, "group", {g.name: g for g in coord_prep.list_groups()}, lambda g: g.members_alive,
-                   coord_prep.remove_group, lambda g: f"group {g.label!r}, {g.staged_batches} staged batch(es)")
+                   coord_prep.remove_group, _describe_group)
 
 
 def _demo(args) -> int:

@@ -14,14 +14,16 @@ to member ``b mod M`` (sorted by slot). The epoch may start once every live memb
 epoch has arrived, or has finished it and not come back within the timeout (it then joins the epoch
 after); the group's first epoch also waits, up to the timeout, for ``hp_group_size`` arrivals. So
 membership changes only at epoch boundaries, and a job starting mid-epoch waits for the next one.
-Waiting members check liveness (pid + start time) every ``LIVENESS_POLL_S``, so nobody waits on a
-dead process; the kernel drops the flock of a process that dies holding it.
+Waiting members check liveness every ``LIVENESS_POLL_S``, so nobody waits on a dead process. A member's
+liveness is the kernel lock on its slot (see ``_shm`` NOTE [ Locks and liveness ]): it holds whatever
+PID namespace the member runs in, and the kernel drops it, like the mutex, when the member dies.
 
 NOTE [ Lifecycle ]
 The first job creates the segment (header published last); others attach and must match its settings
 (:class:`~coordl.exceptions.GroupMismatchError` otherwise). A job leaves on ``close()``, when collected
 or at exit; the last one out unlinks the group and any staged batch. A group whose members all died is
-replaced by the next job that asks for it, or removed by :func:`cleanup_stale` / ``coordl group rm``.
+removed by the next coordl process on the machine (``_shm.reclaim_dead``), by the next job that asks for
+it, or by :func:`cleanup_stale` / ``coordl group rm``.
 """
 
 import contextlib
@@ -31,15 +33,16 @@ import json
 import logging
 import multiprocessing.util
 import os
-import threading
 import time
+import types
 
 import numpy as np
 
 from coordl._constants import GROUP_KIND, SHM_PREFIX
-from coordl._group_state import ALONE, NOT_MINE, GroupState, GroupStats, MemberStats, header_ok, segment_size, \
+from coordl._group_state import ALONE, LAYOUT_VERSION, NOT_MINE, GroupState, GroupStats, MemberStats, header_ok, segment_size, \
     staged_name, staged_prefix
-from coordl._shm import Segment, SegmentKind, unlink_segments
+from coordl._shm import Segment, SegmentKind, create_unlocked, open_unlocked, reclaim_dead, shm_dir, \
+    unlink_segments
 from coordl._sizes import format_bytes
 from coordl.exceptions import GroupMismatchError, ShmCapacityError, StagingError
 
@@ -54,8 +57,8 @@ _VALUE_LEN = 160
 
 
 def group_segment_name(group: str) -> str:
-    """Segment name of the hp_group called ``group`` for this user."""
-    token = hashlib.sha256(f"{os.getuid()}\0hp_group\0{group}".encode()).hexdigest()[:12]
+    """Segment name of the hp_group called ``group`` for this user (the layout version is part of it)."""
+    token = hashlib.sha256(f"{os.getuid()}\0hp_group\0{group}\0{LAYOUT_VERSION}".encode()).hexdigest()[:12]
     return f"{SHM_PREFIX}{token}_{GROUP_KIND}"
 
 
@@ -87,15 +90,16 @@ class EpochTicket:
     slot: int
 
 
-def _leave(segment: Segment, lock: threading.RLock, slot: int, pid: int) -> None:
+def _leave(segment: Segment, slot: int, pid: int) -> None:
     """Leave the group (failing this member's running epoch); the last member out removes it all."""
     if segment.buf is None:
         return
     try:
-        with lock, segment.locked():
+        with segment.locked():
             state = GroupState(segment)
             state.unregister(slot, pid)
-            if state.reap() == 0:
+            segment.release_slot(slot)
+            if state.reap(segment.live_slots()) == 0:
                 unlink_segments(state.prefix)
                 segment.unlink()
                 logger.debug("removed hp_group %s (last member gone)", segment.name)
@@ -120,8 +124,8 @@ class HPGroup:
 
     Lifecycle: :meth:`join` creates or attaches the group segment and registers this process (the
     loader's; workers never touch it). :meth:`close`, garbage collection or exit leaves; the last
-    member out unlinks the group and its staged batches. See NOTE [ Lifecycle ]. The segment's flock
-    serialises processes; a thread lock serialises this job's threads, which share one descriptor.
+    member out unlinks the group and its staged batches. See NOTE [ Lifecycle ]. The segment's mutex
+    serialises processes and threads alike.
 
     Example::
 
@@ -144,7 +148,6 @@ class HPGroup:
         self.expected_members = expected_members or 1
         self.timeout_s = timeout_s
         self.seed = None
-        self._lock = threading.RLock()
         self._segment = None
         self._state = None
         self._slot = -1
@@ -152,8 +155,12 @@ class HPGroup:
 
     @contextlib.contextmanager
     def _locked(self):
-        with self._lock, self._segment.locked():
+        with self._segment.locked(what=f"hp_group {self.group!r}"):
             yield self._state
+
+    def _live(self) -> list[int]:
+        """Member slots whose process is alive."""
+        return self._segment.live_slots()
 
     # -- joining and leaving -----------------------------------------------------------------
 
@@ -170,8 +177,9 @@ class HPGroup:
         """
         if self.joined:
             return
+        reclaim_dead(keep=self.name)
         for _ in range(_OPEN_ATTEMPTS):
-            segment = Segment.open(self.name)
+            segment = Segment.open(self.name, what=f"hp_group {self.group!r}")
             if segment is None:
                 segment = self._create()
                 if segment is None:
@@ -183,28 +191,37 @@ class HPGroup:
         raise RuntimeError(f"internal error: could not create or attach hp_group {self.group!r} ({self.name})")
 
     def _create(self) -> Segment | None:
-        segment = Segment.create(self.name, segment_size(self.n_batches), lambda size, free: ShmCapacityError(
-            f"hp_group {self.group!r} needs {format_bytes(size)} of /dev/shm but only {format_bytes(free)} is free; "
-            f"free /dev/shm (`coordl cache ls`)."))
-        if segment is None:
-            return None
         seed = self.requested_seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
-        GroupState.initialize(segment, n_batches=self.n_batches, capacity=self.staging_bytes, seed=seed,
-                              label=self.group, config=json.dumps(self.config).encode(), creator_pid=os.getpid())
+
+        def initialize(buf) -> None:
+            GroupState.initialize(types.SimpleNamespace(buf=buf, name=self.name), n_batches=self.n_batches,
+                                  capacity=self.staging_bytes, seed=seed, label=self.group,
+                                  config=json.dumps(self.config).encode(), creator_pid=os.getpid())
+
+        segment = Segment.create(self.name, segment_size(self.n_batches), lambda size, free: ShmCapacityError(
+            f"hp_group {self.group!r} needs {format_bytes(size)} of {shm_dir()} but only {format_bytes(free)} is "
+            f"free; free it (`coordl cache ls`, `coordl group ls`)."), initialize=initialize)
+        if segment is None:
+            return None
         logger.info("created hp_group %r (%s): %d batches per epoch, staging area of %s", self.group, self.name,
                     self.n_batches, format_bytes(self.staging_bytes))
         return segment
 
     def _usable(self, segment: Segment) -> bool:
-        """Whether the locked ``segment`` is a live group with our settings; removes a stale one."""
-        if not header_ok(segment):
-            segment.unlink()
+        """Whether the locked ``segment`` is a live group with our settings; removes a dead one."""
+        live = segment.live_slots()
+        if not header_ok(segment.buf):
+            segment.unlock()
             segment.close()
+            if live:
+                raise GroupMismatchError(f"hp_group {self.group!r} ({self.name}) is in use by {len(live)} job(s) "
+                                         f"whose shared state this version of coordl cannot read; use another hp_group=")
+            GROUPS.remove(self.name, force=True)
             return False
         state = GroupState(segment)
-        alive, theirs, pids = state.reap(), state.config(), state.member_pids()
+        alive, theirs, pids = state.reap(live), state.config(), state.member_pids()
         del state
         if alive and theirs == self.config:
             return True
@@ -215,18 +232,19 @@ class HPGroup:
                 f"hp_group {self.group!r} is in use by job(s) with pid(s) {', '.join(map(str, pids))} whose data "
                 f"settings differ from this job's: {'; '.join(_differences(theirs, self.config))}. Use the same "
                 f"settings, another hp_group=, or hp_group_on_mismatch='uncoordinated' to run this job on its own.")
-        with segment.locked():  # every member died: start afresh
-            logger.info("replacing stale hp_group %r (%s): all its members are gone", self.group, self.name)
-            unlink_segments(staged_prefix(self.name))
-            segment.unlink()
         segment.close()
+        logger.info("replacing dead hp_group %r (%s): all its members are gone", self.group, self.name)
+        GROUPS.remove(self.name)
         return False
 
     def _register(self, segment: Segment) -> None:
-        """Enter this process in the members table of the locked ``segment``, then unlock it."""
+        """Take a member slot (and its liveness lock) in the locked ``segment``, then unlock it."""
         pid, state = os.getpid(), GroupState(segment)
         try:
-            slot = state.register(pid, self.expected_members)
+            state.reap(segment.live_slots())
+            slot = next((s for s in state.free_slots() if segment.hold_slot(s)), None)
+            if slot is not None:
+                state.register(slot, pid, self.expected_members)
         finally:
             segment.unlock()
         if slot is None:
@@ -239,8 +257,7 @@ class HPGroup:
                         "%s)", self.group, format_bytes(state.capacity), format_bytes(self.staging_bytes))
         self.seed = state.seed
         self._segment, self._state, self._slot = segment, state, slot
-        self._finalizer = multiprocessing.util.Finalize(self, _leave, args=(segment, self._lock, slot, pid),
-                                                        exitpriority=0)
+        self._finalizer = multiprocessing.util.Finalize(self, _leave, args=(segment, slot, pid), exitpriority=0)
 
     def close(self) -> None:
         """Leave the group (and the epoch in progress); the last member out removes it. Idempotent."""
@@ -255,12 +272,12 @@ class HPGroup:
         """Arrive for the group's next epoch and wait until it starts (see NOTE [ Epochs and membership ])."""
         self.join()
         with self._locked() as state:
-            state.reap()
+            state.reap(self._live())
             upcoming = state.arrive(self._slot)
         started, delay, logged = time.monotonic(), 0.001, False
         while True:
             with self._locked() as state:
-                state.reap()
+                state.reap(self._live())
                 state.try_seal(self.timeout_s)
                 mine, running, members = state.epoch_of(self._slot)
             if mine == upcoming:
@@ -306,7 +323,7 @@ class HPGroup:
     def check_members(self) -> None:
         """Fail members whose process is gone, so that nobody waits on them."""
         with self._locked() as state:
-            state.reap()
+            state.reap(self._live())
 
     # -- staging ---------------------------------------------------------------------------------
 
@@ -328,13 +345,12 @@ class HPGroup:
             ShmCapacityError: /dev/shm is full.
         """
         name = staged_name(self.name, seq)
-        segment = Segment.create(name, max(nbytes, 1), lambda size, free: ShmCapacityError(
-            f"/dev/shm is full: cannot stage a batch of {format_bytes(size)} for hp_group {self.group!r} "
-            f"({format_bytes(free)} free). Pass a smaller hp_staging_bytes=, free /dev/shm "
+        segment = create_unlocked(name, max(nbytes, 1), lambda size, free: ShmCapacityError(
+            f"{shm_dir()} is full: cannot stage a batch of {format_bytes(size)} for hp_group {self.group!r} "
+            f"({format_bytes(free)} free). Pass a smaller hp_staging_bytes=, free it "
             f"(`coordl cache ls`, `coordl group ls`), or enlarge it (docker: --shm-size)."))
         if segment is None:
             raise StagingError(f"internal error: staged batch segment {name} already exists")
-        segment.unlock()
         return segment
 
     def commit(self, epoch: int, batch: int, seq: int) -> bool:
@@ -352,11 +368,10 @@ class HPGroup:
         Raises:
             StagingError: it is gone (removed by hand, e.g. ``coordl group rm --force``).
         """
-        segment = Segment.open(staged_name(self.name, seq))
+        segment = open_unlocked(staged_name(self.name, seq))
         if segment is None:
-            raise StagingError(f"staged batch {seq} of hp_group {self.group!r} disappeared from /dev/shm "
+            raise StagingError(f"staged batch {seq} of hp_group {self.group!r} disappeared from {shm_dir()} "
                                f"(was the group removed with `coordl group rm --force`?)")
-        segment.unlock()
         return segment
 
     def release(self, epoch: int, batch: int, seq: int) -> None:
@@ -367,44 +382,32 @@ class HPGroup:
     def stats(self) -> GroupStats:
         """The group's epoch, members and staging memory as all its members see them."""
         with self._locked() as state:
-            return state.snapshot(self.name)
+            return state.snapshot(self.name, self._live())
 
 
-def _inspect(name: str, remove_if) -> GroupStats | None:
-    """Stats of group segment ``name`` (reaping dead members); remove it if ``remove_if(stats)``."""
-    segment = Segment.open(name)
-    if segment is None:
+def _read(name: str, buf, live: list[int]) -> GroupStats | None:
+    """Stats of a group from a read-only mapping of it (None if its layout is not this version's)."""
+    if not header_ok(buf):
         return None
-    try:
-        if not header_ok(segment):
-            segment.unlink()
-            return None
-        state = GroupState(segment)
-        state.reap()
-        stats = state.snapshot(name)
-        del state
-        if remove_if(stats):
-            unlink_segments(staged_prefix(name))
-            segment.unlink()
-        return stats
-    finally:
-        segment.unlock()
-        segment.close()
+    state = GroupState(types.SimpleNamespace(buf=buf, name=name))
+    return state.snapshot(name, live)
 
 
-_GROUPS = SegmentKind(GROUP_KIND, _inspect, lambda s: s.members_alive)
+GROUPS = SegmentKind(GROUP_KIND, _read, lambda s: s.members_alive, companions=staged_prefix)
+"""Listing, removing and reclaiming hp_group segments (with their staged batches)."""
 
 
-def list_groups() -> list[GroupStats]:
-    """Every hp_group on this machine, with dead members reaped."""
-    return _GROUPS.all_stats()
+def list_groups() -> list:
+    """Every hp_group in the shm directory (:class:`GroupStats`, or ``_shm.Unreadable`` for one this version
+    cannot read). Read-only: takes no lock and changes nothing."""
+    return GROUPS.all_stats()
 
 
 def remove_group(name: str, *, force: bool = False) -> bool:
     """Remove group segment ``name`` and its staged batches; only if no member lives unless ``force``."""
-    return _GROUPS.remove(name, force=force)
+    return GROUPS.remove(name, force=force)
 
 
 def cleanup_stale() -> list[str]:
     """Remove every group whose members are all dead; return their names."""
-    return _GROUPS.cleanup_stale()
+    return GROUPS.cleanup_stale()

@@ -7,7 +7,6 @@ This module only composes the stages and keeps the books; it holds no algorithm.
 """
 
 import getpass
-import hashlib
 import logging
 import functools
 import math
@@ -19,17 +18,17 @@ import weakref
 import torch.utils.data
 from tqdm.auto import tqdm
 
-from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_FRACTION, DEFAULT_GROUP_TIMEOUT_S
+from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FRACTION, DEFAULT_GROUP_TIMEOUT_S
 from coordl._group_config import auto_staging_bytes, check_group_compatible, check_group_options, group_settings
 from coordl._logging import configure_from_env
-from coordl._shm import free_shm_bytes
+from coordl._shm import free_shm_bytes, shm_dir, total_shm_bytes
 from coordl._sizes import format_bytes, parse_bytes
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
 from coordl.coord_prep import HPGroup, epoch_plan
 from coordl.exceptions import GroupMismatchError
-from coordl.minio_cache import MinIOCache, cache_segment_name
+from coordl.minio_cache import MinIOCache, cache_segment_name, index_bytes
 from coordl.raw_datasets import fingerprint_files, raw_source
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 from coordl.storage import FileStorage
@@ -59,14 +58,23 @@ def parse_cache_bytes(cache_bytes) -> int | None:
     return cache_bytes
 
 
-def _auto_capacity(dataset_bytes: int) -> int:
-    memory, shm = available_memory_bytes(), free_shm_bytes()
-    capacity = int(min(dataset_bytes, AUTO_CACHE_MEMORY_FRACTION * memory, AUTO_CACHE_SHM_FRACTION * shm))
+def _auto_capacity(dataset_bytes: int, n_items: int) -> tuple[int, int]:
+    """``cache_bytes="auto"``: (capacity, bytes of the shm file system a growing cache keeps free).
+
+    The least of the dataset, a share of available memory, and what the shm file system has free
+    beside the cache's index and the bytes kept free (a share of its size, for other jobs and for
+    torch's worker-to-main batches until the loader has measured them; see minio_cache NOTE [ Sizing ]).
+    0 when nothing fits.
+    """
+    memory, free, index = available_memory_bytes(), free_shm_bytes(), index_bytes(n_items)
+    keep = int(AUTO_CACHE_SHM_KEEP_FRACTION * total_shm_bytes())
+    capacity = max(0, int(min(dataset_bytes, AUTO_CACHE_MEMORY_FRACTION * memory, free - index - keep)))
     logger.info("Because cache_bytes was not given, using %s: the least of the dataset (%s), %d%% of available "
-                "memory (%s) and %d%% of free /dev/shm (%s).", format_bytes(capacity), format_bytes(dataset_bytes),
-                AUTO_CACHE_MEMORY_FRACTION * 100, format_bytes(memory), AUTO_CACHE_SHM_FRACTION * 100,
-                format_bytes(shm))
-    return capacity
+                "memory (%s) and the free space of %s (%s) less the cache's index (%s) and %s kept free for other "
+                "jobs and torch's in-flight batches.", format_bytes(capacity), format_bytes(dataset_bytes),
+                AUTO_CACHE_MEMORY_FRACTION * 100, format_bytes(memory), shm_dir(), format_bytes(free),
+                format_bytes(index), format_bytes(keep))
+    return capacity, keep
 
 
 def _use_dali(backend, dataset, batch_size, batch_sampler) -> bool:
@@ -217,21 +225,27 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _open_cache(self, source, fingerprint: tuple[bytes, int], capacity: int | None) -> MinIOCache | None:
         digest, dataset_bytes = fingerprint
+        preallocate, keep = capacity is not None, 0
         if capacity is None:
-            capacity = _auto_capacity(dataset_bytes)
+            capacity, keep = _auto_capacity(dataset_bytes, len(source))
+            if capacity == 0:
+                warnings.warn(f"coordl: {shm_dir()} has no room for a cache of this dataset ({format_bytes(free_shm_bytes())} "
+                              f"free, {format_bytes(index_bytes(len(source)))} needed for its index alone), so it loads "
+                              f"uncached. Enlarge it (docker: --shm-size) or pass cache_bytes=0 to silence this.",
+                              stacklevel=4)
+                return None
         elif capacity > dataset_bytes:
             logger.info("cache_bytes=%s exceeds the dataset (%s): using %s.", self.cache_bytes,
                         format_bytes(dataset_bytes), format_bytes(dataset_bytes))
             capacity = dataset_bytes
         if capacity == 0:
             return None
-        scope = self.cache_name or digest.hex()
-        token = hashlib.sha256(f"{os.getuid()}\0{scope}".encode()).hexdigest()[:12]
         root = getattr(source, "dataset", source)
         where = getattr(root, "root", None) or os.path.dirname(source.raw_key(0))  # not empty: capacity > 0
         label = f"{self.cache_name or getpass.getuser()}: {len(source)} files in {where}"
-        cache = MinIOCache(cache_segment_name(token), n_items=len(source), capacity_bytes=capacity,
-                           fingerprint=digest, label=label)
+        cache = MinIOCache(cache_segment_name(self.cache_name or digest.hex()), n_items=len(source),
+                           capacity_bytes=capacity, fingerprint=digest, label=label, preallocate=preallocate,
+                           keep_free_bytes=keep)
         cache.stats()  # attach now: fail early on a full /dev/shm, and keep the cache alive for workers
         return cache
 
@@ -305,6 +319,19 @@ class DataLoader(torch.utils.data.DataLoader):
             raise
         self._coordinated = weakref.ref(coordinated)
         return _EpochIterator(self, coordinated, epoch, counters)
+
+    def _keep_room_for(self, batch) -> None:
+        """Once: make a growing cache leave room in /dev/shm for torch's worker-to-main batches, measured
+        from this first batch (workers x prefetch_factor batches in flight)."""
+        cache = getattr(self.dataset, "cache", None)
+        if self.__dict__.get("_room_kept") or cache is None or cache.preallocate or not self.num_workers:
+            return
+        self._room_kept = True
+        in_flight = self.num_workers * (self.prefetch_factor or 2) * _tensor_bytes(batch)
+        cache.keep_free(cache.keep_free_bytes + in_flight)
+        logger.info("keeping %s of %s free for torch's in-flight batches (%d workers x %d x %s)",
+                    format_bytes(in_flight), shm_dir(), self.num_workers, self.prefetch_factor or 2,
+                    format_bytes(_tensor_bytes(batch)))
 
     def _share_shuffled(self) -> bool:
         return isinstance(self.sampler, torch.utils.data.RandomSampler)
@@ -420,6 +447,17 @@ class DataLoader(torch.utils.data.DataLoader):
         self.close()
 
 
+def _tensor_bytes(batch) -> int:
+    """Bytes of the tensors in a collated batch (what torch's workers hand over through shared memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nbytes
+    if isinstance(batch, dict):
+        return sum(_tensor_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in batch)
+    return 0
+
+
 class _ShareSampler:
     """torch's batch sampler in an hp_group: this job's share of the current epoch's batches."""
 
@@ -476,6 +514,8 @@ class _EpochIterator:
             raise
         self._epoch.stall_s += time.perf_counter() - started
         self._epoch.batches += 1
+        if self._epoch.batches == 1:
+            self._loader._keep_room_for(batch)
         if self._bar is not None:
             self._bar.update(1)
             if self._bar.n % 10 == 1 and self._counters is not None:

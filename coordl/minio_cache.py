@@ -6,60 +6,85 @@ capacity is reached; nothing is ever evicted, so every later epoch gets exactly 
 items cached and reads only (dataset - cache) from storage.
 
 NOTE [ Memory layout ]
-One segment ``/dev/shm/cdl_<token>_cache`` holds, in order:
-  * header (4 KiB): int64 fields ``_H_*``, the dataset fingerprint (32 bytes) and a label;
-  * users (``MAX_CACHE_USERS`` x (pid, start ticks)): the processes that map the cache;
+One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
+  * header (4 KiB): int64 fields ``_H_*``, the dataset fingerprint (32 bytes), a label, and the
+    mutex holder's info (``_shm.LOCK_INFO_AT``);
+  * users (``MAX_CACHE_USERS`` x (pid, attach time ns)): who maps the cache, for display only;
+    row ``i`` belongs to whoever holds liveness slot ``i`` (see ``_shm`` NOTE [ Locks and liveness ]);
   * index: ``offsets`` int64[N], ``lengths`` int64[N], ``status`` int32[N] with
-    0 = empty, 1 = ready, -pid = being written by pid;
-  * data (``capacity`` bytes, page aligned): item bytes, packed in insertion order.
+    0 = empty, 1 = ready, 2 = orphaned (space reserved by a writer that died), -(slot + 1) = being
+    written by the user in ``slot``;
+  * data (``capacity`` bytes, page aligned): item bytes, packed in insertion order. The first
+    ``allocated`` bytes are really allocated; the rest is a hole that is allocated in chunks as the
+    fill reaches it (see NOTE [ Sizing ]).
 
 NOTE [ Concurrency and crashes ]
-Writers serialise on the segment's flock only to reserve space; the copy runs unlocked, then a
-single aligned store of ``status = 1`` publishes the item. Readers take no lock at all: an item is
-visible once ready and never moves or changes afterwards (no eviction), so a lookup is two loads
-and a copy. Reservation orders its stores so that a SIGKILL at any point is harmless: the cursor
-moves first (a crash leaks at most that item's bytes), then offset and length, then status = -pid.
-A slot left at -pid by a dead writer is rewritten in place by the next process that fetches the
-item. The kernel drops the flock of a dead holder, so nobody ever waits on a dead process.
+Writers take the segment's mutex only to reserve space: the cursor moves first (a crash leaks at
+most that item's bytes), then offset and length, then ``status = -(slot + 1)``; the copy runs
+unlocked, then one aligned int32 store of ``status = 1`` publishes the item. Readers take no lock:
+an item is visible once ready and never moves or changes afterwards (no eviction). A slot whose
+writer died (its liveness lock is free) is *orphaned*: whoever next takes the mutex and meets it
+turns it to 2, and the next process that fetches the item rewrites it in place, also after the
+cache froze. Registration reaps dead users' rows the same way before a slot is reused.
+
+NOTE [ Sizing ]
+An explicit ``capacity_bytes`` is allocated up front (after checking free space under the shm
+directory's lock), so it fails at once if it does not fit. ``"auto"`` caches are created with only
+their index allocated and grow their data area in ``_CHUNK`` steps under the mutex, each step only
+while the shm file system keeps ``keep_free`` bytes free: room for torch's worker-to-main batches
+(measured by the loader from its first batch) and for other jobs. A step that does not fit freezes
+the cache where it is and says so once. Nothing ever SIGBUSes: bytes are written only inside the
+allocated area.
 
 NOTE [ Lifecycle ]
-The first process to ask for a cache creates it (sized and allocated up front after checking
-free /dev/shm, so writes can never SIGBUS) and publishes its header last; others attach. Every
-process that maps the cache (loader, workers, other jobs) registers in the users table and
-unregisters when it closes, when its handle is collected, or when it exits; the last one out
-unlinks the segment. Slots of processes that died without unregistering are reaped whenever
-someone takes the lock, so a cache left behind by killed jobs is reclaimed by the next user
-(reused if it holds the same dataset) or by :func:`cleanup_stale` / ``coordl cache rm --stale``.
+The first process to ask for a cache creates it; others attach. Every process that maps the cache
+(loader, workers, other jobs) holds a liveness slot and gives it up when it closes, when its handle
+is collected, or at exit (after multiprocessing has stopped its daemonic children, so a job's
+persistent workers never outlive the check); the last one out unlinks the segment. A process
+killed with SIGKILL just loses its slot: the next coordl process on the machine removes caches
+whose users are all dead (``_shm.reclaim_dead``), whatever their dataset.
 """
 
 import dataclasses
+import hashlib
 import logging
 import multiprocessing.util
 import os
+import threading
 import time
 
 import numpy as np
 
 from coordl._constants import CACHE_KIND, MAX_CACHE_USERS, SHM_PREFIX
-from coordl._shm import Segment, SegmentKind
+from coordl._shm import Segment, SegmentKind, free_shm_bytes, reclaim_dead, shm_dir
 from coordl._sizes import format_bytes
-from coordl._sysinfo import is_process_alive, process_start_ticks
 from coordl.exceptions import CacheMismatchError, ShmCapacityError
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = int.from_bytes(b"COORDLC1", "little")
-_VERSION = 1
+_VERSION = 2
 (_H_MAGIC, _H_VERSION, _H_READY, _H_N_ITEMS, _H_CAPACITY, _H_DATA_OFFSET, _H_CURSOR, _H_FROZEN,
- _H_CREATED_NS, _H_CREATOR_PID) = range(10)
+ _H_CREATED_NS, _H_CREATOR_PID, _H_ALLOCATED, _H_KEEP_FREE) = range(12)
 _HEADER_FIELDS = 32
 _FINGERPRINT_AT, _FINGERPRINT_LEN = 256, 32
 _LABEL_AT, _LABEL_LEN = 512, 512
 _HEADER_BYTES = 4096
 _USERS_AT = _HEADER_BYTES
-_READY = 1
+_EMPTY, _READY, _ORPHANED = 0, 1, 2
+_FULL, _SHM_SHORT = 1, 2  # why a cache froze (the _H_FROZEN value)
 _PAGE = 4096
+_CHUNK = 64 * 2**20
 _OPEN_ATTEMPTS = 50
+_ATTACH_LOCK = threading.Lock()
+
+
+def _reset_attach_lock() -> None:
+    global _ATTACH_LOCK
+    _ATTACH_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_attach_lock)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -75,8 +100,17 @@ def _index_layout(n_items: int) -> tuple[int, int, int, int]:
     return offsets_at, lengths_at, status_at, data_at
 
 
-def cache_segment_name(token: str) -> str:
-    """Segment name of the cache with scope ``token`` (hex)."""
+def index_bytes(n_items: int) -> int:
+    """Bytes of a cache of ``n_items`` items beside its data: header, users table and index."""
+    return _index_layout(n_items)[3]
+
+
+def cache_segment_name(scope: str) -> str:
+    """Segment name of this user's cache for ``scope`` (a cache name or a dataset fingerprint).
+
+    The layout version is part of the name, so caches of another coordl version never collide.
+    """
+    token = hashlib.sha256(f"{os.getuid()}\0{scope}\0cache v{_VERSION}".encode()).hexdigest()[:12]
     return f"{SHM_PREFIX}{token}_{CACHE_KIND}"
 
 
@@ -90,6 +124,7 @@ class CacheStats:
     items_cached: int
     bytes_cached: int
     capacity_bytes: int
+    allocated_bytes: int
     frozen: bool
     users_alive: int
 
@@ -116,28 +151,32 @@ class _Views:
     def label(self, buf) -> str:
         return bytes(buf[_LABEL_AT:_LABEL_AT + _LABEL_LEN]).rstrip(b"\0").decode("utf-8", "replace")
 
-    def reap_dead_users(self) -> int:
-        """Clear the slots of dead processes; return how many live users remain. Hold the lock."""
-        alive = 0
+    def reap(self, slot: int) -> None:
+        """Forget the dead user of ``slot``: clear its row, orphan the items it was writing. Hold the mutex."""
+        self.users[slot] = 0
+        self.status[self.status == -(slot + 1)] = _ORPHANED
+
+    def reap_dead(self, live: list[int]) -> None:
+        """Reap every user row whose slot is not in ``live``. Hold the mutex."""
+        alive = set(live)
         for slot in np.flatnonzero(self.users[:, 0]):
-            pid, ticks = (int(v) for v in self.users[slot])
-            if is_process_alive(pid, ticks):
-                alive += 1
-            else:
-                self.users[slot] = 0
-        return alive
+            if int(slot) not in alive:
+                self.reap(int(slot))
 
 
 def _header_n_items(buf) -> int | None:
-    """Item count of a published cache header in ``buf``, None if the header is not valid."""
-    header = np.ndarray((_HEADER_FIELDS,), np.int64, buf, 0) if len(buf) >= _HEADER_BYTES else None
-    if header is None or header[_H_MAGIC] != _MAGIC or header[_H_VERSION] != _VERSION or not header[_H_READY]:
+    """Item count of a cache header of this layout in ``buf``, None if it is not one."""
+    if len(buf) < _HEADER_BYTES:
         return None
-    return int(header[_H_N_ITEMS])
+    header = np.frombuffer(buf, np.int64, _HEADER_FIELDS, 0)
+    if header[_H_MAGIC] != _MAGIC or header[_H_VERSION] != _VERSION or not header[_H_READY]:
+        return None
+    n_items = int(header[_H_N_ITEMS])
+    return n_items if len(buf) >= _index_layout(n_items)[3] else None
 
 
 def _detach(segment: Segment, slot: int, n_items: int) -> None:
-    """Unregister ``slot``; unlink the segment if no live user is left; close our mapping."""
+    """Give up ``slot``; unlink the segment if no live user is left; close our mapping."""
     if segment.buf is None:
         return
     try:
@@ -145,7 +184,8 @@ def _detach(segment: Segment, slot: int, n_items: int) -> None:
             views = _Views(segment.buf, n_items)
             if views.users[slot, 0] == os.getpid():
                 views.users[slot] = 0
-            if views.reap_dead_users() == 0:
+            segment.release_slot(slot)
+            if not segment.live_slots():
                 segment.unlink()
                 logger.debug("removed cache %s (last user gone)", segment.name)
             del views
@@ -164,26 +204,31 @@ class MinIOCache:
         fingerprint: 32 bytes identifying the dataset's content; a cache holding another
             fingerprint is never served.
         label: human-readable description shown by ``coordl cache ls``.
+        preallocate: allocate the whole capacity when creating the cache (an explicit size), rather
+            than growing it while the shm file system keeps ``keep_free_bytes`` free (``"auto"``; see
+            NOTE [ Sizing ]). Defaults to True.
+        keep_free_bytes: bytes of the shm file system a growing cache leaves free. Defaults to 0.
 
-    Lifecycle: a handle maps the cache lazily in each process that uses it, registering that
-    process as a user (handles travel to DataLoader workers by pickling or fork and re-attach
-    there). :meth:`close`, garbage collection or process exit unregisters; the last user out
-    removes the segment. See NOTE [ Lifecycle ].
+    Lifecycle: a handle maps the cache lazily in each process that uses it, holding a liveness slot
+    there (handles travel to DataLoader workers by pickling or fork and re-attach there; threads
+    of one process share one attachment). :meth:`close`, garbage collection or process exit gives
+    the slot up; the last user out removes the segment. See NOTE [ Lifecycle ].
 
     Raises (on first use):
-        ShmCapacityError: /dev/shm cannot hold ``capacity_bytes``.
+        ShmCapacityError: the shm file system cannot hold the cache (or, growing, its index).
         CacheMismatchError: a live cache of this name holds a different dataset.
 
     Example::
 
-        >>> cache = MinIOCache(cache_segment_name("0123456789ab"), n_items=2,
+        >>> cache = MinIOCache(cache_segment_name("doc-example"), n_items=2,
         ...                    capacity_bytes=1 << 20, fingerprint=bytes(32))
         >>> cache.put(0, b"raw jpeg bytes"), cache.get(0), cache.get(1)
         (True, b'raw jpeg bytes', None)
         >>> cache.close()
     """
 
-    def __init__(self, name: str, *, n_items: int, capacity_bytes: int, fingerprint: bytes, label: str = ""):
+    def __init__(self, name: str, *, n_items: int, capacity_bytes: int, fingerprint: bytes, label: str = "",
+                 preallocate: bool = True, keep_free_bytes: int = 0):
         if len(fingerprint) != _FINGERPRINT_LEN:
             raise ValueError(f"fingerprint must be {_FINGERPRINT_LEN} bytes, got {len(fingerprint)}")
         self.name = name
@@ -191,18 +236,22 @@ class MinIOCache:
         self.requested_capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self.label = label
+        self.preallocate = preallocate
+        self.keep_free_bytes = keep_free_bytes
         self._reset()
 
     def _reset(self) -> None:
         self._pid = None
         self._segment = None
         self._views = None
+        self._slot = -1
         self._finalizer = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         for key in ("_pid", "_segment", "_views", "_finalizer"):
             state[key] = None
+        state["_slot"] = -1
         return state
 
     # -- attaching -------------------------------------------------------------------------
@@ -210,17 +259,18 @@ class MinIOCache:
     def _ensure(self) -> _Views:
         """This process's views of the cache, attaching (and creating) it on first use."""
         if self._pid != os.getpid():
-            self._reset()  # a handle inherited over fork: its lock and registration are the parent's
-            self._connect()
+            with _ATTACH_LOCK:  # threads of one process attach once
+                if self._pid != os.getpid():
+                    self._reset()  # a handle inherited over fork: its locks and slot are the parent's
+                    self._connect()
         return self._views
 
     def _connect(self) -> None:
-        _, _, _, data_at = _index_layout(self.n_items)
-        size = data_at + self.requested_capacity_bytes
+        reclaim_dead(keep=self.name)
         for _ in range(_OPEN_ATTEMPTS):
-            segment = Segment.open(self.name)
+            segment = Segment.open(self.name, what=f"cache {self.name}")
             if segment is None:
-                segment = self._create(size)
+                segment = self._create()
                 if segment is None:
                     continue  # another process created it first: attach to theirs
             elif not self._usable(segment):
@@ -229,81 +279,90 @@ class MinIOCache:
             return
         raise RuntimeError(f"internal error: could not create or attach cache {self.name}")
 
-    def _create(self, size: int) -> Segment | None:
-        segment = Segment.create(self.name, size, self._capacity_error)
-        if segment is None:
-            return None
-        buf = segment.buf
+    def _create(self) -> Segment | None:
+        data_at = index_bytes(self.n_items)
+        capacity = self.requested_capacity_bytes
+        allocate = data_at + capacity if self.preallocate else data_at
+        segment = Segment.create(self.name, data_at + capacity, self._capacity_error, initialize=self._initialize,
+                                 allocate=allocate)
+        if segment is not None:
+            logger.info("created cache %s: %s for %d items of %s%s", self.name, format_bytes(capacity), self.n_items,
+                        self.label or "a dataset", "" if self.preallocate else " (allocated as it fills)")
+        return segment
+
+    def _initialize(self, buf) -> None:
         header = np.ndarray((_HEADER_FIELDS,), np.int64, buf, 0)
-        _, _, _, data_at = _index_layout(self.n_items)
+        capacity = self.requested_capacity_bytes
         header[_H_MAGIC], header[_H_VERSION] = _MAGIC, _VERSION
-        header[_H_N_ITEMS], header[_H_CAPACITY] = self.n_items, self.requested_capacity_bytes
-        header[_H_DATA_OFFSET], header[_H_CURSOR], header[_H_FROZEN] = data_at, 0, 0
+        header[_H_N_ITEMS], header[_H_CAPACITY] = self.n_items, capacity
+        header[_H_DATA_OFFSET], header[_H_CURSOR], header[_H_FROZEN] = index_bytes(self.n_items), 0, 0
         header[_H_CREATED_NS], header[_H_CREATOR_PID] = time.time_ns(), os.getpid()
+        header[_H_ALLOCATED] = capacity if self.preallocate else 0
+        header[_H_KEEP_FREE] = self.keep_free_bytes
         buf[_FINGERPRINT_AT:_FINGERPRINT_AT + _FINGERPRINT_LEN] = self.fingerprint
         label = self.label.encode()[:_LABEL_LEN - 1]
         buf[_LABEL_AT:_LABEL_AT + len(label)] = label
-        header[_H_READY] = 1  # published last: attachers only trust a ready header
+        header[_H_READY] = 1
         del header
-        logger.info("created cache %s: %s for %d items of %s", self.name,
-                    format_bytes(self.requested_capacity_bytes), self.n_items, self.label or "a dataset")
-        return segment
 
-    def _capacity_error(self, size: int, free: int) -> ShmCapacityError:
+    def _capacity_error(self, needed: int, free: int) -> ShmCapacityError:
+        index = index_bytes(self.n_items)
+        fits = (free - index) // 2**20 * 2**20
+        advice = (f"Pass cache_bytes={format_bytes(fits).replace(' ', '')!r} or less, " if fits > 0 else
+                  "Even its index does not fit: pass cache_bytes=0, ")
+        what = f"a cache of {format_bytes(needed - index)} plus its index of {format_bytes(index)} for " \
+               f"{self.n_items} items" if self.preallocate else f"the index of {format_bytes(index)} for {self.n_items} items"
         return ShmCapacityError(
-            f"cache capacity {format_bytes(size)} exceeds free space in /dev/shm ({format_bytes(free)}). "
-            f"Pass a smaller cache_bytes= (e.g. cache_bytes={format_bytes(free * 0.8).replace(' ', '')!r}), "
-            f"free /dev/shm (`coordl cache ls`, `coordl cache rm --stale`), "
-            f"or enlarge it (docker: --shm-size)."
-        )
+            f"{what} needs {format_bytes(needed)} of {shm_dir()}, which has {format_bytes(free)} free. {advice}"
+            f"free it (`coordl cache ls`, `coordl cache rm --stale`), or enlarge it (docker: --shm-size).")
 
     def _usable(self, segment: Segment) -> bool:
-        """Whether the locked, existing ``segment`` holds our dataset; removes it if abandoned."""
+        """Whether the locked, existing ``segment`` holds our dataset; removes it if it is dead."""
         n_items = _header_n_items(segment.buf)
-        if n_items is None:  # its creator died before publishing the header
-            segment.unlink()
-            segment.close()
-            return False
-        views = _Views(segment.buf, n_items)
-        same = n_items == self.n_items and views.fingerprint(segment.buf) == self.fingerprint
-        alive = views.reap_dead_users()
-        label = views.label(segment.buf)
-        del views
-        if same:
-            return True
-        if alive:
-            segment.unlock()
-            segment.close()
+        live = segment.live_slots()
+        if n_items == self.n_items:
+            views = _Views(segment.buf, n_items)
+            same, label = views.fingerprint(segment.buf) == self.fingerprint, views.label(segment.buf)
+            del views
+            if same:
+                return True
+        else:
+            label = "unknown layout"
+        segment.unlock()
+        segment.close()
+        if live:
             raise CacheMismatchError(
                 f"cache {self.name} ({label}) holds a different dataset than {self.label or 'this one'} "
-                f"and is in use by {alive} process(es). Pass another cache_name=, or stop the jobs "
-                f"using it (`coordl cache ls`)."
-            )
-        logger.info("replacing stale cache %s (%s): its dataset changed", self.name, label)
-        segment.unlink()
-        segment.close()
+                f"and is in use by {len(live)} process(es). Pass another cache_name=, or stop the jobs "
+                f"using it (`coordl cache ls`).")
+        logger.info("replacing dead cache %s (%s): its dataset changed", self.name, label)
+        _CACHES.remove(self.name, force=n_items is None)
         return False
 
     def _register(self, segment: Segment) -> None:
-        """Enter this process in the users table of the locked ``segment``, then unlock it."""
+        """Take a liveness slot and a users row in the locked ``segment``, then unlock it."""
         try:
             views = _Views(segment.buf, self.n_items)
-            free_slots = np.flatnonzero(views.users[:, 0] == 0)
-            if len(free_slots) == 0 and views.reap_dead_users() < MAX_CACHE_USERS:
-                free_slots = np.flatnonzero(views.users[:, 0] == 0)
-            if len(free_slots) == 0:
+            live = segment.live_slots()
+            views.reap_dead(live)
+            taken = set(live)
+            slot = next((s for s in range(MAX_CACHE_USERS) if s not in taken and segment.hold_slot(s)), None)
+            if slot is None:
                 raise RuntimeError(f"cache {self.name} already has {MAX_CACHE_USERS} live users")
-            slot, pid = int(free_slots[0]), os.getpid()
-            views.users[slot] = (pid, process_start_ticks(pid))
+            pid = os.getpid()
+            views.users[slot] = (pid, time.time_ns())
             capacity = int(views.header[_H_CAPACITY])
+            if self.keep_free_bytes > views.header[_H_KEEP_FREE]:
+                views.header[_H_KEEP_FREE] = self.keep_free_bytes
         finally:
             segment.unlock()
         if capacity != self.requested_capacity_bytes:
             logger.info("attached existing cache %s of %s (asked for %s)", self.name,
                         format_bytes(capacity), format_bytes(self.requested_capacity_bytes))
-        self._pid, self._segment, self._views = pid, segment, views
+        self._pid, self._segment, self._views, self._slot = pid, segment, views, slot
+        # After multiprocessing stops this process's daemonic children (persistent workers) at exit.
         self._finalizer = multiprocessing.util.Finalize(
-            self, _detach, args=(segment, slot, self.n_items), exitpriority=0)
+            self, _detach, args=(segment, slot, self.n_items), exitpriority=-1)
 
     # -- the data path -----------------------------------------------------------------------
 
@@ -316,34 +375,76 @@ class MinIOCache:
         return self._segment.buf[start:start + int(views.lengths[index])]
 
     def put(self, index: int, data: bytes) -> bool:
-        """Insert item ``index`` unless it is cached, being written, or does not fit.
+        """Insert item ``index`` unless it is cached, being written by a live process, or does not fit.
 
         Returns:
-            Whether this call inserted it. A full cache freezes: nothing is inserted after.
+            Whether this call inserted it. A full cache freezes; after that only orphaned items (see
+            NOTE [ Concurrency and crashes ]) are written, in place.
         """
         views = self._ensure()
-        if views.header[_H_FROZEN] or views.status[index] == _READY:
+        state = int(views.status[index])
+        if state == _READY or (views.header[_H_FROZEN] and state == _EMPTY):
             return False
         size = len(data)
-        with self._segment.locked():  # see NOTE [ Concurrency and crashes ] for the store order
-            state = int(views.status[index])
-            if state == _READY or (state < 0 and is_process_alive(-state)):
+        with self._segment.locked(what=f"cache {self.name}"):  # see NOTE [ Concurrency and crashes ]
+            offset = self._reserve(views, index, size)
+            if offset is None:
                 return False
-            if state < 0 and views.lengths[index] == size:
-                offset = int(views.offsets[index])  # a dead writer's slot: rewrite it in place
-            else:
-                cursor = int(views.header[_H_CURSOR])
-                if views.header[_H_FROZEN] or cursor + size > views.header[_H_CAPACITY]:
-                    views.header[_H_FROZEN] = 1
-                    return False
-                views.header[_H_CURSOR] = cursor + size
-                views.offsets[index], views.lengths[index] = cursor, size
-                offset = cursor
-            views.status[index] = -self._pid
+            views.status[index] = -(self._slot + 1)
         start = views.data_at + offset
         self._segment.buf[start:start + size] = data
         views.status[index] = _READY
         return True
+
+    def _reserve(self, views: _Views, index: int, size: int) -> int | None:
+        """Where item ``index`` goes, or None if it is taken or does not fit. Hold the mutex."""
+        state = int(views.status[index])
+        if state < 0:
+            writer = -state - 1
+            if writer == self._slot or self._segment.slot_alive(writer):
+                return None
+            views.reap(writer)
+            state = _ORPHANED
+        if state == _READY:
+            return None
+        if state == _ORPHANED and views.lengths[index] == size:
+            return int(views.offsets[index])  # rewrite a dead writer's slot in place
+        cursor = int(views.header[_H_CURSOR])
+        if views.header[_H_FROZEN]:
+            return None
+        if cursor + size > views.header[_H_CAPACITY]:
+            views.header[_H_FROZEN] = _FULL
+            return None
+        if cursor + size > views.header[_H_ALLOCATED] and not self._grow(views, cursor + size):
+            return None
+        views.header[_H_CURSOR] = cursor + size
+        views.offsets[index], views.lengths[index] = cursor, size
+        return cursor
+
+    def _grow(self, views: _Views, end: int) -> bool:
+        """Allocate the data area up to at least ``end`` (see NOTE [ Sizing ]); freeze if it does not fit."""
+        h = views.header
+        allocated, capacity, keep = int(h[_H_ALLOCATED]), int(h[_H_CAPACITY]), int(h[_H_KEEP_FREE])
+        free = free_shm_bytes()
+        for target in (min(capacity, max(end, allocated + _CHUNK)), end):
+            grow = _round_up(target - allocated, _PAGE) if target < capacity else capacity - allocated
+            if free - grow >= keep and self._segment.allocate(views.data_at + allocated, grow):
+                h[_H_ALLOCATED] = allocated + grow
+                return True
+        h[_H_FROZEN] = _SHM_SHORT
+        logger.warning("coordl: cache %s stopped growing at %s of its %s (%d items): %s has %s free and keeps %s "
+                       "free for torch's in-flight batches and other jobs. Pass cache_bytes= to size it yourself.",
+                       self.name, format_bytes(allocated), format_bytes(capacity),
+                       int(np.count_nonzero(views.status == _READY)), shm_dir(), format_bytes(free),
+                       format_bytes(keep))
+        return False
+
+    def keep_free(self, nbytes: int) -> None:
+        """Make a growing cache leave at least ``nbytes`` of the shm file system free from now on."""
+        views = self._ensure()
+        if nbytes > views.header[_H_KEEP_FREE]:
+            with self._segment.locked(what=f"cache {self.name}"):
+                views.header[_H_KEEP_FREE] = max(int(views.header[_H_KEEP_FREE]), nbytes)
 
     # -- inspection and cleanup --------------------------------------------------------------
 
@@ -355,10 +456,10 @@ class MinIOCache:
     def stats(self) -> CacheStats:
         """Fill state of the cache as all its users see it (attaching if need be)."""
         views = self._ensure()
-        return _stats_of(self.name, self._segment.buf, views, users_alive=None)
+        return _stats_of(self.name, self._segment.buf, views, len(self._segment.live_slots()))
 
     def close(self) -> None:
-        """Unregister this process; the last user removes the cache. Idempotent."""
+        """Give up this process's use of the cache; the last user removes it. Idempotent."""
         if self._finalizer is not None and self._pid == os.getpid():
             self._views = None
             self._finalizer()
@@ -371,10 +472,8 @@ class MinIOCache:
         self.close()
 
 
-def _stats_of(name: str, buf, views: _Views, users_alive: int | None) -> CacheStats:
+def _stats_of(name: str, buf, views: _Views, users_alive: int) -> CacheStats:
     ready = views.status == _READY
-    if users_alive is None:
-        users_alive = int(np.count_nonzero(views.users[:, 0]))
     return CacheStats(
         name=name,
         label=views.label(buf),
@@ -382,37 +481,27 @@ def _stats_of(name: str, buf, views: _Views, users_alive: int | None) -> CacheSt
         items_cached=int(np.count_nonzero(ready)),
         bytes_cached=int(views.lengths[ready].sum()),
         capacity_bytes=int(views.header[_H_CAPACITY]),
+        allocated_bytes=int(views.header[_H_ALLOCATED]),
         frozen=bool(views.header[_H_FROZEN]),
         users_alive=users_alive,
     )
 
 
-def _inspect(name: str, remove_if) -> CacheStats | None:
-    """Stats of cache ``name`` (reaping dead users); unlink it if ``remove_if(stats)``."""
-    segment = Segment.open(name)
-    if segment is None:
+def _read(name: str, buf, live_slots: list[int]) -> CacheStats | None:
+    """Stats of a cache from a read-only mapping of it (None if its layout is not this version's)."""
+    n_items = _header_n_items(buf)
+    if n_items is None:
         return None
-    try:
-        n_items = _header_n_items(segment.buf)
-        if n_items is None:  # abandoned mid-creation
-            segment.unlink()
-            return None
-        views = _Views(segment.buf, n_items)
-        stats = _stats_of(name, segment.buf, views, users_alive=views.reap_dead_users())
-        del views
-        if remove_if(stats):
-            segment.unlink()
-        return stats
-    finally:
-        segment.unlock()
-        segment.close()
+    views = _Views(buf, n_items)
+    return _stats_of(name, buf, views, len(live_slots))
 
 
-_CACHES = SegmentKind(CACHE_KIND, _inspect, lambda s: s.users_alive)
+_CACHES = SegmentKind(CACHE_KIND, _read, lambda s: s.users_alive)
 
 
-def list_caches() -> list[CacheStats]:
-    """Every MinIO cache on this machine, with dead users reaped."""
+def list_caches() -> list:
+    """Every MinIO cache in the shm directory (:class:`CacheStats`, or ``_shm.Unreadable`` for one this
+    version cannot read). Read-only: takes no lock and changes nothing."""
     return _CACHES.all_stats()
 
 

@@ -1,28 +1,76 @@
-"""Shared fixtures: small real JPEG datasets and a guard that fails any test leaking /dev/shm."""
+"""Shared fixtures: small real JPEG datasets, and guards that give every test its own shared-memory
+namespace and fail any test that leaks shared memory or processes."""
 
 import glob
 import os
+import secrets
+import shutil
+import signal
 import time
 
 import pytest
 
+from coordl._constants import SHM_DIR_ENV
 from coordl.synthetic import make_image_folder
 
+LEAK_GRACE_S = 10
 
-def _shm_entries() -> set[str]:
-    return set(glob.glob("/dev/shm/cdl_*"))
+
+_SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
+
+def _processes_with_env(marker: bytes) -> list[int]:
+    """Pids of this machine's processes whose environment contains ``marker``, except this one and the
+    helpers multiprocessing keeps for the whole session (started lazily, so they may carry it)."""
+    found = []
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        pid = int(environ.split("/")[2])
+        if pid == os.getpid():
+            continue
+        try:
+            with open(environ, "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if any(helper in f.read() for helper in _SESSION_HELPERS):
+                    continue
+        except OSError:
+            continue
+        found.append(pid)
+    return found
+
+
+def _wait_until(done, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.fixture(autouse=True)
-def shm_leak_guard():
-    """Every coordl segment a test creates must be gone when it ends (workers may take a moment)."""
-    before = _shm_entries()
-    yield
-    deadline = time.monotonic() + 10
-    while (_shm_entries() - before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    leaked = _shm_entries() - before
-    assert not leaked, f"test leaked shared memory: {sorted(leaked)}"
+def shm_namespace(monkeypatch):
+    """Each test runs in its own shm directory (``$COORDL_SHM_DIR``, a fresh folder in /dev/shm that every
+    process it starts inherits), so it only ever sees, counts or removes what it created. Afterwards the
+    folder must be empty and no process started with it may still run (workers get a moment to go)."""
+    path = f"/dev/shm/cdltest-{secrets.token_hex(6)}"
+    os.mkdir(path, 0o700)
+    monkeypatch.setenv(SHM_DIR_ENV, path)
+    yield path
+    marker = f"{SHM_DIR_ENV}={path}".encode()
+    gone = _wait_until(lambda: not _processes_with_env(marker), LEAK_GRACE_S)
+    left = _processes_with_env(marker)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _wait_until(lambda: not os.listdir(path), 0 if left else LEAK_GRACE_S)
+    leaked = sorted(os.listdir(path))
+    shutil.rmtree(path, ignore_errors=True)
+    assert gone, f"test left processes running: {left}"
+    assert not leaked, f"test leaked shared memory: {leaked}"
 
 
 @pytest.fixture(scope="session")

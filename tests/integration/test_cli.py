@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from coordl.minio_cache import MinIOCache, cache_segment_name
+from coordl._shm import segment_path
 from tests import _procs
 from tests._signals import FileEvent
 
@@ -37,12 +38,12 @@ def test_ls_and_rm(tmp_path):
         refused = _coordl("cache", "rm", live.name)
         assert refused.returncode == 1 and "in use by 1 process" in refused.stderr
         assert _coordl("cache", "rm", "--stale", "--dry-run").stdout.startswith(f"would remove {stale}")
-        assert os.path.exists(f"/dev/shm/{stale}")
+        assert os.path.exists(segment_path(stale))
         removed = _coordl("cache", "rm", "--stale")
         assert removed.returncode == 0 and f"removed {stale}" in removed.stdout
-        assert not os.path.exists(f"/dev/shm/{stale}") and os.path.exists(f"/dev/shm/{live.name}")
+        assert not os.path.exists(segment_path(stale)) and os.path.exists(segment_path(live.name))
         assert _coordl("cache", "rm", "--force", live.name).returncode == 0
-        assert not os.path.exists(f"/dev/shm/{live.name}")
+        assert not os.path.exists(segment_path(live.name))
         assert live.get(0) == b"x" * 100  # a forcibly removed cache keeps serving its users
     finally:
         live.close()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import coordl
+from coordl._shm import segment_path
 from coordl import _batch_codec
 from coordl.coord_prep import HPGroup, group_segment_name, list_groups
 from tests import _procs
@@ -78,7 +79,7 @@ def test_three_jobs_prepare_each_batch_once_and_all_see_every_batch(tmp_path, in
     assert sum(stats["epochs"][0]["misses"] for _, _, stats in runs) == N
     assert sum(stats["epochs"][1]["hits"] for _, _, stats in runs) == N
     assert sum(stats["epochs"][1]["misses"] for _, _, stats in runs) == 0
-    assert not os.path.exists(f"/dev/shm/{group_segment_name(group)}")
+    assert not os.path.exists(segment_path(group_segment_name(group)))
 
 
 @pytest.mark.slow
@@ -150,7 +151,7 @@ def test_a_job_killed_mid_epoch_is_taken_over_by_the_others(tmp_path, index_root
     assert all(e["time_s"] < timeout_s + 20 for e in first)  # nobody waited on the dead job for long
     assert [e["members"] for e in stats_a["epochs"]][1] == 2
     assert stats_a["epochs"][1]["prepared"] + stats_b["epochs"][1]["prepared"] == N // 4
-    assert not os.path.exists(f"/dev/shm/{group_segment_name(group)}")
+    assert not os.path.exists(segment_path(group_segment_name(group)))
 
 
 def _loader(root, group, n=N, transform=None, **kwargs):
@@ -218,7 +219,7 @@ def test_a_lone_member_prepares_everything_and_reports_it(index_root, caplog):
                 assert sorted(i for indices, _, _ in loader for i in indices.tolist()) == list(range(N))
             stats = loader.stats()
             assert [g.label for g in list_groups()].count(group) == 1
-        assert not os.path.exists(f"/dev/shm/{group_segment_name(group)}")  # closing left the group
+        assert not os.path.exists(segment_path(group_segment_name(group)))  # closing left the group
     first = stats.epochs[0]
     assert (first.members, first.prepared, first.shared, first.decoded, first.samples) == (1, 15, 0, N, N)
     assert stats.total.prepared == 30 and stats.group.epoch == 2 and stats.group.peak_staged_bytes == 0
@@ -232,13 +233,13 @@ def _coordl(*args):
 
 def test_group_ls_and_rm_on_live_and_stale_groups(tmp_path):
     stale_group, live_group = _group(), _group()
+    live = HPGroup(live_group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
+    live.join()  # before the stale group exists: joining reclaims dead groups
     joined = FileEvent(tmp_path)
     proc = _procs.spawn(_procs.join_group_then_die, stale_group, joined)
     proc.join(_procs.JOIN_TIMEOUT)
     assert proc.exitcode == -signal.SIGKILL
     stale = group_segment_name(stale_group)
-    live = HPGroup(live_group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
-    live.join()
     try:
         out = _coordl("group", "ls").stdout
         assert "stale" in out.split(stale)[1].splitlines()[0]
@@ -247,13 +248,13 @@ def test_group_ls_and_rm_on_live_and_stale_groups(tmp_path):
         refused = _coordl("group", "rm", live.name)
         assert refused.returncode == 1 and "in use by 1 process(es)" in refused.stderr
         assert f"would remove {stale}" in _coordl("group", "rm", "--stale", "--dry-run").stdout
-        assert os.path.exists(f"/dev/shm/{stale}")
+        assert os.path.exists(segment_path(stale))
         removed = _coordl("group", "rm", "--stale")
         assert removed.returncode == 0 and f"removed {stale}" in removed.stdout
-        assert not os.path.exists(f"/dev/shm/{stale}") and os.path.exists(f"/dev/shm/{live.name}")
+        assert not os.path.exists(segment_path(stale)) and os.path.exists(segment_path(live.name))
     finally:
         live.close()
-    assert not os.path.exists(f"/dev/shm/{live.name}")
+    assert not os.path.exists(segment_path(live.name))
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 import torchvision
 
 import coordl
+from coordl._shm import segment_path
 from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
 from tests import _procs
 from tests._signals import FileBarrier, FileEvent, FileQueue
@@ -69,7 +70,7 @@ def test_concurrent_inserters_each_item_inserted_once(tmp_path):
     procs = [_procs.spawn(_procs.put_all_and_report, name, n_items, 10**6, seed, results, barrier) for seed in range(4)]
     _procs.join_ok(*procs)
     assert sum(results.get(timeout=5) for _ in procs) == n_items
-    assert not os.path.exists(f"/dev/shm/{name}")  # the last user removed it
+    assert not os.path.exists(segment_path(name))  # the last user removed it
 
 
 def test_full_cache_freezes_and_inserts_nothing_more():
@@ -95,7 +96,7 @@ def test_two_independent_jobs_share_one_cache(tmp_path, image_root):
     assert (pid_a, pid_b) == (job_a.pid, job_b.pid)
     assert name_a == name_b and cached == 96
     assert epochs_a == [(0, 96)] and epochs_b == [(96, 0)]
-    assert not os.path.exists(f"/dev/shm/{name_a}")
+    assert not os.path.exists(segment_path(name_a))
 
 
 def test_a_changed_dataset_gets_a_new_cache_never_stale_bytes(fresh_image_root):
@@ -126,7 +127,8 @@ def test_too_little_shm_is_refused_up_front_with_the_fix(tmp_path):
         files.append(str(tmp_path / f"huge{i}.bin"))
         with open(files[-1], "wb") as f:
             f.truncate(8 * 2**40)
-    with pytest.raises(coordl.ShmCapacityError, match=r"exceeds free space in /dev/shm .*cache_bytes=.*--shm-size"):
+    with pytest.raises(coordl.ShmCapacityError, match=r"a cache of 16.0 TiB plus its index of .* needs 16.0 TiB of "
+                                                      r".* which has .* free\. Pass cache_bytes=.*--shm-size"):
         coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), cache_bytes="16TiB")
     with pytest.raises(MemoryError):  # also catchable as the builtin
         MinIOCache(_name(), n_items=1, capacity_bytes=2**50, fingerprint=bytes(32)).stats()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordl import _batch_codec
-from coordl._shm import Segment
+from coordl._shm import create_unlocked
 from coordl.coord_prep import epoch_plan
 from coordl.exceptions import StagingError
 
@@ -30,14 +30,12 @@ def _shm_full(size: int, free: int) -> Exception:
 
 def _round_trip(batch, epoch=2, batch_id=7, mapped=False):
     encoded = _batch_codec.encode(batch)
-    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
-    segment.unlock()
+    segment = create_unlocked(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
     try:
         _batch_codec.write(encoded, segment.buf, epoch, batch_id)
         return _batch_codec.read(segment.buf, epoch, batch_id, map_range=segment.private_map if mapped else None)
     finally:
-        with segment.locked():
-            segment.unlink()
+        segment.unlink()
         segment.close()  # mapped tensors keep their own mappings
 
 
@@ -71,15 +69,13 @@ def test_unsupported_batches_and_foreign_segments_are_refused():
 def test_mapped_tensors_of_a_staged_batch_outlive_it_and_keep_writes_to_themselves():
     images = torch.randn(8, 3, 128, 128)  # 1.5 MiB: mapped
     encoded = _batch_codec.encode((images, torch.arange(8)))
-    segment = Segment.create(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
-    segment.unlock()
+    segment = create_unlocked(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
     _batch_codec.write(encoded, segment.buf, 1, 0)
     mine, theirs = (_batch_codec.read(segment.buf, 1, 0, map_range=segment.private_map) for _ in range(2))
     open_fds = len(os.listdir("/proc/self/fd"))
     labels = [_batch_codec.read(segment.buf, 1, 0, map_range=segment.private_map)[1] for _ in range(20)]
     assert len(os.listdir("/proc/self/fd")) == open_fds  # small tensors are copied: they hold no mapping
-    with segment.locked():
-        segment.unlink()
+    segment.unlink()
     segment.close()
     mine[0].mul_(0)  # a training loop normalizing its batch in place
     assert torch.count_nonzero(mine[0]) == 0
