@@ -59,7 +59,7 @@ def _remove_caches(tag: str) -> None:
     from coordl.minio_cache import list_caches, remove_cache
 
     for stats in list_caches():
-        if stats.label.startswith(tag):
+        if getattr(stats, "label", "").startswith(tag):  # (caches of other versions have none)
             remove_cache(stats.name, force=True)
 
 

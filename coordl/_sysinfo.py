@@ -1,37 +1,6 @@
-"""Facts about this machine and its processes: liveness by pid and start time, available memory."""
+"""Facts about this machine: available memory, bounded by this process's cgroup."""
 
 import os
-
-
-def process_start_ticks(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot, 0 where /proc is unavailable or it is gone.
-
-    Together with the pid it names a process uniquely, so a reused pid is not taken for a live user.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return 0
-    if fields[0] in (b"Z", b"X"):  # zombie or dead: it holds nothing any more
-        return 0
-    return int(fields[19])
-
-
-def is_process_alive(pid: int, start_ticks: int = 0) -> bool:
-    """Whether ``pid`` runs and, when ``start_ticks`` is given, is the same process that had it."""
-    if pid <= 0:
-        return False
-    if os.path.isdir("/proc/self"):
-        ticks = process_start_ticks(pid)
-        return ticks != 0 and (start_ticks == 0 or ticks == start_ticks)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _cgroup_memory_headroom() -> int | None:

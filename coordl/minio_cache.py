@@ -56,7 +56,7 @@ import time
 import numpy as np
 
 from coordl._constants import CACHE_KIND, MAX_CACHE_USERS, SHM_PREFIX
-from coordl._shm import Segment, SegmentKind, free_shm_bytes, reclaim_dead, shm_dir
+from coordl._shm import Segment, SegmentKind, free_shm_bytes, reclaim_dead, shm_dir, total_shm_bytes
 from coordl._sizes import format_bytes
 from coordl.exceptions import CacheMismatchError, ShmCapacityError
 
@@ -75,16 +75,17 @@ _EMPTY, _READY, _ORPHANED = 0, 1, 2
 _FULL, _SHM_SHORT = 1, 2  # why a cache froze (the _H_FROZEN value)
 _PAGE = 4096
 _CHUNK = 64 * 2**20
+_CHUNKS_PER_SHM = 64  # and at most this share of the shm file system per step
 _OPEN_ATTEMPTS = 50
-_ATTACH_LOCK = threading.Lock()
+_HANDLE_LOCKS = threading.Lock()
 
 
-def _reset_attach_lock() -> None:
-    global _ATTACH_LOCK
-    _ATTACH_LOCK = threading.Lock()
+def _reset_handle_locks() -> None:
+    global _HANDLE_LOCKS
+    _HANDLE_LOCKS = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_reset_attach_lock)
+os.register_at_fork(after_in_child=_reset_handle_locks)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -238,6 +239,7 @@ class MinIOCache:
         self.label = label
         self.preallocate = preallocate
         self.keep_free_bytes = keep_free_bytes
+        self._attach_lock = (None, None)  # (pid, lock): a lock inherited over fork is never used
         self._reset()
 
     def _reset(self) -> None:
@@ -251,19 +253,27 @@ class MinIOCache:
         state = self.__dict__.copy()
         for key in ("_pid", "_segment", "_views", "_finalizer"):
             state[key] = None
-        state["_slot"] = -1
+        state["_slot"], state["_attach_lock"] = -1, (None, None)
         return state
 
     # -- attaching -------------------------------------------------------------------------
 
     def _ensure(self) -> _Views:
         """This process's views of the cache, attaching (and creating) it on first use."""
-        if self._pid != os.getpid():
-            with _ATTACH_LOCK:  # threads of one process attach once
-                if self._pid != os.getpid():
+        pid = os.getpid()
+        if self._pid != pid:
+            with self._lock_of(pid):  # threads of one process attach once
+                if self._pid != pid:
                     self._reset()  # a handle inherited over fork: its locks and slot are the parent's
                     self._connect()
         return self._views
+
+    def _lock_of(self, pid: int) -> threading.Lock:
+        """This handle's attach lock in process ``pid``."""
+        with _HANDLE_LOCKS:
+            if self._attach_lock[0] != pid:
+                self._attach_lock = (pid, threading.Lock())
+            return self._attach_lock[1]
 
     def _connect(self) -> None:
         reclaim_dead(keep=self.name)
@@ -425,9 +435,9 @@ class MinIOCache:
         """Allocate the data area up to at least ``end`` (see NOTE [ Sizing ]); freeze if it does not fit."""
         h = views.header
         allocated, capacity, keep = int(h[_H_ALLOCATED]), int(h[_H_CAPACITY]), int(h[_H_KEEP_FREE])
-        free = free_shm_bytes()
-        for target in (min(capacity, max(end, allocated + _CHUNK)), end):
-            grow = _round_up(target - allocated, _PAGE) if target < capacity else capacity - allocated
+        free, chunk = free_shm_bytes(), min(_CHUNK, total_shm_bytes() // _CHUNKS_PER_SHM)
+        for target in (min(capacity, max(end, allocated + chunk)), end):
+            grow = min(_round_up(target - allocated, _PAGE), capacity - allocated)
             if free - grow >= keep and self._segment.allocate(views.data_at + allocated, grow):
                 h[_H_ALLOCATED] = allocated + grow
                 return True

@@ -8,12 +8,20 @@ import pytest
 import torchvision
 
 import coordl
-from coordl._sysinfo import is_process_alive
 from coordl.minio_cache import list_caches
 
 
 def _mine(root):
     return [c for c in list_caches() if c.label.endswith(f" in {root}")]
+
+
+def is_process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
