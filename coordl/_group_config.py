@@ -1,14 +1,13 @@
 """The ``hp_group`` keywords of ``coordl.DataLoader``: validation, defaults, and what members must agree on."""
 
-import hashlib
 import logging
-import re
 
 import torch.utils.data
 
 from coordl._constants import AUTO_STAGING_BYTES, AUTO_STAGING_FRACTION
+from coordl._describe import describe
 from coordl._shm import free_shm_bytes
-from coordl._sizes import format_bytes, parse_bytes
+from coordl._sizes import format_bytes, parse_size_option
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset
 from coordl.raw_datasets import fingerprint_files
@@ -16,11 +15,12 @@ from coordl.raw_datasets import fingerprint_files
 logger = logging.getLogger(__name__)
 
 ON_MISMATCH = ("raise", "uncoordinated")
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_TRANSFORMS = ("transform", "target_transform", "transforms")
+"""The dataset attributes that hold its transforms."""
 
 
 def check_group_options(hp_group, hp_group_size, hp_staging_bytes, hp_group_timeout_s,
-                        hp_group_on_mismatch) -> int | None:
+                        hp_group_on_mismatch, hp_group_key) -> int | None:
     """Validate the hp_group keywords; return the staging size in bytes, None for ``"auto"``.
 
     Raises:
@@ -38,16 +38,9 @@ def check_group_options(hp_group, hp_group_size, hp_staging_bytes, hp_group_time
     if hp_group_on_mismatch not in ON_MISMATCH:
         raise ValueError(f"hp_group_on_mismatch should be one of {ON_MISMATCH}, but got "
                          f"hp_group_on_mismatch={hp_group_on_mismatch!r}")
-    accepted = "a positive int, a size string such as '2GiB', or 'auto'"
-    if isinstance(hp_staging_bytes, str) and hp_staging_bytes.strip().lower() == "auto":
-        return None
-    try:
-        size = parse_bytes(hp_staging_bytes) if isinstance(hp_staging_bytes, str) else hp_staging_bytes
-    except ValueError:
-        size = None
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise ValueError(f"hp_staging_bytes should be {accepted}, but got hp_staging_bytes={hp_staging_bytes!r}")
-    return size
+    if hp_group_key is not None and (not isinstance(hp_group_key, str) or not hp_group_key):
+        raise ValueError(f"hp_group_key should be a non-empty string or None, but got hp_group_key={hp_group_key!r}")
+    return parse_size_option("hp_staging_bytes", hp_staging_bytes, allow_zero=False)
 
 
 def check_group_compatible(dataset, sampler, batch_sampler, batch_size, in_order) -> None:
@@ -79,38 +72,41 @@ def auto_staging_bytes() -> int:
     return size
 
 
-def _describe(obj) -> str:
-    """A process-independent description of ``obj``: a function's name and code digest, else its repr
-    without memory addresses."""
-    if hasattr(obj, "__qualname__"):
-        code = getattr(obj, "__code__", None)
-        digest = f" (code {hashlib.sha256(code.co_code).hexdigest()[:8]})" if code is not None else ""
-        return f"{getattr(obj, '__module__', '?')}.{obj.__qualname__}{digest}"
-    return _ADDRESS.sub("", repr(obj))
-
-
 def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, shuffle: bool, seed: int | None,
-                   collate_fn, dali=None) -> dict[str, str]:
+                   collate_fn, dali, key: str | None, content: bool) -> dict[str, str]:
     """What every member of a group must share: ``{setting: description}``.
 
-    The dataset is identified by its type, length and, for datasets of files, the fingerprint of its
-    files (paths, sizes, mtimes); transforms by their repr; with the DALI backend (``dali``, the
-    loader's ``DaliBackend``), its pipeline function's code, device and mode stand for ``collate_fn``.
+    The dataset is identified by its type, length and, for datasets of files, their fingerprint (see
+    :func:`fingerprint_files`; ``content`` hashes the files' bytes); its transforms and ``collate_fn``
+    by what defines them (see :mod:`coordl._describe`). With the DALI backend (``dali``, the loader's
+    ``DaliBackend``) its pipeline function, device and mode stand for ``collate_fn``. ``key``
+    (``hp_group_key=``), if given, stands for the transforms, ``collate_fn`` and pipeline function.
+
+    Raises:
+        ValueError: if a transform, ``collate_fn`` or the pipeline function cannot be described
+            and no ``key`` is given.
     """
     user = dataset.dataset
     if dataset.fingerprint is None and dataset.source is not None:
-        dataset.fingerprint = fingerprint_files([dataset.source.raw_key(i) for i in range(len(dataset.source))])
+        dataset.fingerprint = fingerprint_files([dataset.source.raw_key(i) for i in range(len(dataset.source))],
+                                                content=content)
     files = f", files {dataset.fingerprint[0].hex()[:16]}" if dataset.fingerprint is not None else ""
-    transforms = [f"{name}={_describe(getattr(user, name))}" for name in ("transform", "target_transform",
-                                                                           "transforms")
-                  if getattr(user, name, None) is not None]
-    return {
+    settings = {
         "dataset": f"{type(user).__module__}.{type(user).__qualname__} of {len(user)} samples{files}",
-        "transforms": ", ".join(transforms) or "none",
         "batch_size": str(batch_size),
         "drop_last": str(drop_last),
         "sampler": "shuffled" if shuffle else "sequential",
         "seed": "drawn by the group" if seed is None else str(seed),
-        **({"collate_fn": _describe(collate_fn)} if dali is None else
-           {"dali_pipeline": f"{_describe(dali.pipeline_fn)} on {dali.device}, {'train' if dali.train else 'eval'}"}),
     }
+    if key is not None:
+        settings["hp_group_key"] = key
+    else:
+        transforms = [f"{name}={describe(getattr(user, name), name)}" for name in _TRANSFORMS
+                      if getattr(user, name, None) is not None]
+        settings["transforms"] = ", ".join(transforms) or "none"
+    if dali is not None:
+        pipeline = "named by hp_group_key" if key is not None else describe(dali.pipeline_fn, "dali_pipeline")
+        settings["dali_pipeline"] = f"{pipeline} on {dali.device}, {'train' if dali.train else 'eval'}"
+    elif key is None:
+        settings["collate_fn"] = describe(collate_fn, "collate_fn")
+    return settings

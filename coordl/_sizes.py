@@ -1,6 +1,9 @@
-"""Human-readable byte sizes: ``"8GiB"`` <-> 8589934592."""
+"""Human-readable byte sizes: ``"8GiB"`` <-> 8589934592, and the size keywords of ``coordl.DataLoader``."""
 
+import math
+import numbers
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,
@@ -13,14 +16,52 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(text: str) -> int:
     """Parse ``"512MiB"``, ``"1.5 GB"`` or ``"4096"`` into a byte count.
 
+    A fraction of a larger unit is rounded down to whole bytes (``"0.3KiB"`` is 307); a fraction of a
+    byte (``"0.5"``, ``"1.5 b"``) is refused rather than rounded, and so is a non-zero size under one byte.
+
     Raises:
-        ValueError: if ``text`` is not a size.
+        ValueError: if ``text`` is not a size, or not a whole number of bytes.
     """
     match = _SIZE_RE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"not a byte size: {text!r} (examples: '512MiB', '8GiB', '1.5GB', '4096')")
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = Fraction(match.group(1))  # exact: "1.1GB" is 1100000000 bytes, not a float's 1100000000.0000002
+    if _UNITS[unit] == 1 and number.denominator != 1:
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    size = math.floor(number * _UNITS[unit])
+    if size == 0 and number != 0:
+        raise ValueError(f"{text!r} is less than one byte")
+    return size
+
+
+def parse_size_option(name: str, value, *, allow_zero: bool) -> int | None:
+    """Validate a size keyword such as ``cache_bytes=``: a byte count, or None for ``"auto"``.
+
+    Args:
+        name: the keyword, for errors.
+        value: an integer (numpy integers too), a size string such as ``"8GiB"`` (see :func:`parse_bytes`)
+            or ``"auto"``.
+        allow_zero: whether 0 is a valid size (it turns a cache off).
+
+    Raises:
+        TypeError: if ``value`` is neither an integer nor a string.
+        ValueError: if ``value`` is not a size, negative, zero where that is not allowed, or not a whole
+            number of bytes; naming ``name``, the value and what is accepted.
+    """
+    accepted = (f"{'a non-negative' if allow_zero else 'a positive'} whole number of bytes (an int or a size "
+                f"string such as '8GiB'), or 'auto'")
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise TypeError(f"{name} should be {accepted}, but got {name}={value!r}")
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    try:
+        size = parse_bytes(value) if isinstance(value, str) else int(value)
+    except ValueError as e:
+        raise ValueError(f"{name} should be {accepted}, but got {name}={value!r}: {e}") from None
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ValueError(f"{name} should be {accepted}, but got {name}={value!r}")
+    return size
 
 
 def format_bytes(n: float) -> str:

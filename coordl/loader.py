@@ -22,7 +22,7 @@ from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FR
 from coordl._group_config import auto_staging_bytes, check_group_compatible, check_group_options, group_settings
 from coordl._logging import configure_from_env
 from coordl._shm import free_shm_bytes, shm_dir, total_shm_bytes
-from coordl._sizes import format_bytes, parse_bytes
+from coordl._sizes import format_bytes, parse_size_option
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
@@ -36,26 +36,7 @@ from coordl.storage import FileStorage
 logger = logging.getLogger(__name__)
 summary_logger = logging.getLogger("coordl")
 
-
-def parse_cache_bytes(cache_bytes) -> int | None:
-    """Validate ``cache_bytes=``: a byte count (int or ``"8GiB"``), or None for ``"auto"``.
-
-    Raises:
-        ValueError, TypeError: naming the bad value and what is accepted.
-    """
-    accepted = "a non-negative int, a size string such as '8GiB', or 'auto'"
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, str)):
-        raise TypeError(f"cache_bytes should be {accepted}, but got cache_bytes={cache_bytes!r}")
-    if isinstance(cache_bytes, str):
-        if cache_bytes.strip().lower() == "auto":
-            return None
-        try:
-            return parse_bytes(cache_bytes)
-        except ValueError:
-            raise ValueError(f"cache_bytes should be {accepted}, but got cache_bytes={cache_bytes!r}") from None
-    if cache_bytes < 0:
-        raise ValueError(f"cache_bytes should be {accepted}, but got cache_bytes={cache_bytes}")
-    return cache_bytes
+CACHE_VERIFY = ("stat", "content")
 
 
 def _auto_capacity(dataset_bytes: int, n_items: int) -> tuple[int, int]:
@@ -108,12 +89,18 @@ class DataLoader(torch.utils.data.DataLoader):
     epoch. Other datasets work as with torch, uncached (coordl says so once).
 
     Args:
-        cache_bytes: size of the cache. An int, a string such as ``"8GiB"``, ``"auto"`` or 0 (off).
-            ``"auto"`` takes the least of the dataset's size, 50% of available memory and 90% of
-            free /dev/shm. Defaults to ``"auto"``.
+        cache_bytes: size of the cache. An int (numpy integers too), a string such as ``"8GiB"``,
+            ``"auto"`` or 0 (off); a fraction of a byte (``"0.5"``) is refused, a fraction of a larger
+            unit rounded down. ``"auto"`` takes the least of the dataset's size, 50% of available
+            memory and 90% of free /dev/shm. Defaults to ``"auto"``.
         cache_name: name under which jobs share a cache. Defaults to None: the cache is named by
-            the dataset's fingerprint (file paths, sizes, mtimes), so jobs reading the same files
-            share it and a changed dataset never gets stale bytes.
+            the dataset's fingerprint (see ``cache_verify``), so jobs reading the same files share it.
+        cache_verify: how a cache is matched to the dataset's files. Its fingerprint holds each
+            file's resolved absolute path, size and, with ``"stat"``, mtime: an edit that keeps a
+            file's size and mtime (``touch -r``, a copy that preserves mtimes) goes unnoticed and the
+            cache serves the old bytes. ``"content"`` hashes each file's bytes instead of its mtime,
+            which reads the whole dataset when the loader is built (slow for large datasets).
+            Defaults to ``"stat"``.
         drop_page_cache: after reading a miss from storage, drop its pages from the OS page cache
             so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
         progress: show a tqdm progress bar per epoch. Defaults to False.
@@ -131,7 +118,10 @@ class DataLoader(torch.utils.data.DataLoader):
         hp_group: name of a hyperparameter-search group to coordinate prep with: jobs on this machine
             that pass the same name share one epoch plan, each prepares only its share of the
             minibatches, and every job gets every minibatch (the same augmented batches in every job).
-            Needs shuffle=True/False (no custom sampler). Defaults to None (off).
+            Jobs must agree on the dataset, its transforms, ``collate_fn`` (or DALI pipeline) and
+            batch settings; transforms and functions are compared by what defines them (code,
+            constants, defaults, closures, attributes). Needs shuffle=True/False (no custom sampler).
+            Defaults to None (off).
         hp_group_size: jobs the group's first epoch waits for (up to ``hp_group_timeout_s``), so
             that jobs started together are coordinated from their first batch. Defaults to None.
         hp_staging_bytes: capacity of the group's staging area in /dev/shm, set by the group's first
@@ -144,6 +134,10 @@ class DataLoader(torch.utils.data.DataLoader):
         hp_group_on_mismatch: ``"raise"`` refuses to join a group whose jobs use other data
             settings (`GroupMismatchError` names them); ``"uncoordinated"`` warns and loads on its own.
             Defaults to ``"raise"``.
+        hp_group_key: a name that stands for the transforms, ``collate_fn`` and DALI pipeline
+            function among the settings jobs must agree on, for those that cannot be compared (an
+            error says so) or should not be: jobs with equal keys share batches whatever those are.
+            The dataset and batch settings are still compared. Defaults to None: compare them.
 
     Example::
 
@@ -156,17 +150,19 @@ class DataLoader(torch.utils.data.DataLoader):
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
-                 pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, drop_page_cache=None,
-                 progress=False, backend="torch", dali_pipeline="image_classification", dali_device="cpu",
-                 dali_train=None, hp_group=None, hp_group_size=None, hp_staging_bytes="auto",
-                 hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S, hp_group_on_mismatch="raise"):
+                 pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, cache_verify="stat",
+                 drop_page_cache=None, progress=False, backend="torch", dali_pipeline="image_classification",
+                 dali_device="cpu", dali_train=None, hp_group=None, hp_group_size=None, hp_staging_bytes="auto",
+                 hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S, hp_group_on_mismatch="raise", hp_group_key=None):
         configure_from_env()
-        capacity = parse_cache_bytes(cache_bytes)
+        capacity = parse_size_option("cache_bytes", cache_bytes, allow_zero=True)
+        if cache_verify not in CACHE_VERIFY:
+            raise ValueError(f"cache_verify should be one of {CACHE_VERIFY}, but got cache_verify={cache_verify!r}")
         use_dali = _use_dali(backend, dataset, batch_size, batch_sampler)
         staging_bytes = None
         if hp_group is not None:
             staging_bytes = check_group_options(hp_group, hp_group_size, hp_staging_bytes, hp_group_timeout_s,
-                                                hp_group_on_mismatch)
+                                                hp_group_on_mismatch, hp_group_key)
             check_group_compatible(dataset, sampler, batch_sampler, batch_size, in_order)
             if use_dali and dali_device != "cpu":
                 raise ValueError(f"hp_group with backend='dali' needs dali_device='cpu', but got "
@@ -175,6 +171,7 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
         self.cache_bytes = cache_bytes
         self.cache_name = cache_name
+        self.cache_verify = cache_verify
         self.drop_page_cache = drop_page_cache
         self.progress = progress
         self.backend, self.dali_pipeline, self.dali_device, self.dali_train = \
@@ -185,6 +182,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._last_cache_stats = None
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
+        self.hp_group_key = hp_group_key
         self._group = self._share = self._coordinated = self._last_group_stats = None
         wrapped = self._wrap(dataset, capacity, num_workers, decode=not use_dali)
         self._dali = None
@@ -217,7 +215,8 @@ class DataLoader(torch.utils.data.DataLoader):
         cache = None
         if source is not None and capacity != 0:
             if fingerprint is None:
-                fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))])
+                fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))],
+                                                content=self.cache_verify == "content")
             cache = self._open_cache(source, fingerprint, capacity)
         drop = cache is not None if self.drop_page_cache is None else bool(self.drop_page_cache)
         return CachedDataset(dataset, source, cache, FileStorage(drop_page_cache=drop),
@@ -255,7 +254,8 @@ class DataLoader(torch.utils.data.DataLoader):
         n_batches = n_items // self.batch_size if self.drop_last else math.ceil(n_items / self.batch_size)
         seed = self.generator.initial_seed() & (2**63 - 1) if self.generator is not None else None
         config = group_settings(self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
-                                shuffle=self._share_shuffled(), seed=seed, collate_fn=self.collate_fn, dali=self._dali)
+                                shuffle=self._share_shuffled(), seed=seed, collate_fn=self.collate_fn, dali=self._dali,
+                                key=self.hp_group_key, content=self.cache_verify == "content")
         group = HPGroup(self.hp_group, config=config, n_batches=n_batches, seed=seed,
                         staging_bytes=staging_bytes or auto_staging_bytes(), expected_members=self.hp_group_size,
                         timeout_s=float(self.hp_group_timeout_s))

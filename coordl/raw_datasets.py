@@ -10,6 +10,7 @@ torchvision ``DatasetFolder``/``ImageFolder`` are recognised as they are.
 import hashlib
 import io
 import os
+import stat
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -150,19 +151,56 @@ def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, st
     return None, f"{type(dataset).__name__} does not implement coordl.RawBytesDataset (raw_key, decode_raw)"
 
 
-def fingerprint_files(keys: Sequence[str]) -> tuple[bytes, int]:
-    """(sha256 over every file's path, size and mtime, total bytes): a changed file changes it.
+def fingerprint_files(keys: Sequence[str], content: bool) -> tuple[bytes, int]:
+    """(sha256 naming the files and their versions, total bytes): what a cache of ``keys`` holds.
 
-    A file that cannot be stat'ed is hashed as missing; reading it later names it.
+    Each file is named by its resolved absolute path (symlinks followed), so the same relative paths
+    read from another working directory are other files. By default its version is its size and
+    mtime: an edit that keeps both (``touch -r``, a copy that preserves mtimes, a same-size write
+    within the file system's mtime granularity) goes unnoticed. ``content=True`` hashes each file's
+    bytes instead of its mtime, which reads the whole dataset (slow for large datasets). A file that
+    cannot be stat'ed or read is hashed as such; reading it later names it.
+
+    Args:
+        keys: the files' paths (each sample's ``raw_key``).
+        content: hash the files' bytes rather than their mtimes.
     """
     digest = hashlib.sha256(len(keys).to_bytes(8, "little"))
-    total = 0
+    total, cwd, real_dirs = 0, os.getcwd(), {}
     for key in keys:
-        try:
-            st = os.stat(key)
-            size, mtime = st.st_size, st.st_mtime_ns
-        except OSError:
-            size, mtime = -1, 0
+        path, st = _resolve(key, cwd, real_dirs)
+        if st is None:
+            size, version = -1, 0
+        else:
+            size, version = st.st_size, _content_digest(path) if content else st.st_mtime_ns
         total += max(size, 0)
-        digest.update(f"{key}\0{size}\0{mtime}\n".encode())
+        digest.update(f"{path}\0{size}\0{version}\n".encode())
     return digest.digest(), total
+
+
+def _resolve(key: str, cwd: str, real_dirs: dict[str, str]) -> tuple[str, os.stat_result | None]:
+    """``os.path.realpath(key)`` and its stat (None if it has none), resolving each directory once
+    (``real_dirs``: directory -> resolved): a single system call per file that is not a link."""
+    parent, name = os.path.split(os.path.join(cwd, key))  # not normalized: ".." after a link is physical
+    if parent not in real_dirs:
+        real_dirs[parent] = os.path.realpath(parent)
+    path = os.path.join(real_dirs[parent], name)
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            path = os.path.realpath(path)
+            st = os.stat(path)
+    except OSError:
+        return path, None
+    return path, st
+
+
+def _content_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError:
+        return "unreadable"
+    return digest.hexdigest()

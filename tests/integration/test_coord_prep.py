@@ -167,8 +167,8 @@ def test_mismatched_settings_are_refused_naming_what_differs(index_root):
             (dict(shuffle=False), "sampler: group has 'shuffled', this job 'sequential'"),
             (dict(drop_last=True), "drop_last"),
             (dict(generator=torch.Generator().manual_seed(3)), "seed: group has 'drawn by the group', this job '3'"),
-            (dict(transform=_procs.Scale(2)), r"transforms: group has 'transform=Scale\(1\)', this job "
-                                              r"'transform=Scale\(2\)'"),
+            (dict(transform=_procs.Scale(2)), r"transforms: group has 'transform=Scale\(1\) \(sha256 \w+\)', this job "
+                                              r"'transform=Scale\(2\) \(sha256 \w+\)'"),
             (dict(n=N - 4), "dataset: .* of 60 samples.* of 56 samples"),
         ]
         for kwargs, what in cases:
@@ -186,7 +186,8 @@ def test_mismatched_settings_are_refused_naming_what_differs(index_root):
 def test_dali_members_must_agree_on_the_pipeline(index_root):
     group, dali = _group(), dict(backend="dali", dali_pipeline=_procs.index_and_draw)
     with _loader(index_root, group, **dali):
-        torch_job = r"collate_fn: group has '-'.*dali_pipeline: group has '.*index_and_draw \(code \w+\) on cpu, train'"
+        torch_job = (r"collate_fn: group has '-'.*dali_pipeline: group has '.*index_and_draw \(sha256 \w+\) on cpu, "
+                     r"train'")
         with pytest.raises(coordl.GroupMismatchError, match=torch_job):
             _loader(index_root, group)  # the torch backend
         with pytest.raises(coordl.GroupMismatchError, match=r"dali_pipeline: .*index_and_draw.*index_only"):
@@ -197,6 +198,9 @@ def test_dali_members_must_agree_on_the_pipeline(index_root):
     (dict(hp_group=""), "hp_group should be a non-empty string"),
     (dict(hp_group_size=0), "hp_group_size should be a positive int"),
     (dict(hp_staging_bytes="lots"), "hp_staging_bytes should be"),
+    (dict(hp_staging_bytes="0.5"), r"hp_staging_bytes should be .* but got hp_staging_bytes='0.5': '0.5' is not a "
+                                   r"whole number of bytes"),
+    (dict(hp_group_key=""), "hp_group_key should be a non-empty string"),
     (dict(hp_group_timeout_s=0), "hp_group_timeout_s should be a positive number"),
     (dict(hp_group_on_mismatch="ignore"), "hp_group_on_mismatch should be one of"),
     (dict(shuffle=None, sampler=[0, 1]), "pass shuffle=True or False instead of sampler="),

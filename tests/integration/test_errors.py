@@ -53,6 +53,10 @@ def test_worker_death_is_reported_as_torch_reports_it(image_root):
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(cache_bytes=-1), ValueError, "cache_bytes should be"),
     (dict(cache_bytes="huge"), ValueError, "cache_bytes should be"),
+    (dict(cache_bytes="0.5"), ValueError, "but got cache_bytes='0.5': '0.5' is not a whole number of bytes"),
+    (dict(cache_bytes="1.5 b"), ValueError, "but got cache_bytes='1.5 b': '1.5 b' is not a whole number of bytes"),
+    (dict(cache_verify="mtime"), ValueError, r"cache_verify should be one of \('stat', 'content'\), but got "
+                                             r"cache_verify='mtime'"),
     (dict(cache_name=""), ValueError, "cache_name should be"),
     (dict(batch_size=0), ValueError, "batch_size"),  # torch's own checks still apply
 ])
