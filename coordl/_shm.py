@@ -375,6 +375,29 @@ class Segment:
             return True
         return False
 
+    def take_slot(self, candidates) -> int | None:
+        """Hold the first of ``candidates`` that no live process holds; None if every one is held."""
+        return next((slot for slot in candidates if self.hold_slot(slot)), None)
+
+    def leave(self, slot: int, forget: Callable, companions: str | None = None) -> None:
+        """Stop using the segment: under the mutex ``forget(buf)`` this user's row and give up ``slot``;
+        if no live user is left, unlink the segment (and the segments named ``companions*``). Then close.
+        Idempotent; at interpreter exit, views still held elsewhere leave the unmapping to the OS."""
+        if self.buf is None:
+            return
+        try:
+            with self.locked():
+                forget(self.buf)
+                self.release_slot(slot)
+                if not self.live_slots():
+                    if companions is not None:
+                        unlink_segments(companions)
+                    self.unlink()
+                    logger.debug("removed %s (last user gone)", self.name)
+            self.close()
+        except BufferError:
+            pass
+
     def release_slot(self, slot: int) -> None:
         if slot in self._slots and self._lock_fd >= 0:
             _unlock(self._lock_fd, _SLOTS_AT + slot)
@@ -442,6 +465,25 @@ class Segment:
         self._lock_fd = self._map_fd = -1
         self._slots = set()
         _SEGMENTS.discard(self)
+
+
+def open_or_create(name: str, *, what: str, create: Callable, usable: Callable, attempts: int = 50) -> Segment:
+    """Segment ``name`` with its mutex held: attached if it exists and ``usable(segment)``, else ``create()``d.
+
+    ``usable`` returns False after unlocking and closing a segment it will not use (removing it if it is
+    dead); ``create`` returns None if another process created it first. Dead segments of every kind are
+    reclaimed first (:func:`reclaim_dead`), except this one, which a new user may reuse.
+    """
+    reclaim_dead(keep=name)
+    for _ in range(attempts):
+        segment = Segment.open(name, what=what)
+        if segment is None:
+            segment = create()
+        elif not usable(segment):
+            continue
+        if segment is not None:
+            return segment
+    raise RuntimeError(f"internal error: could not create or attach {what} ({name})")
 
 
 def create_unlocked(name: str, size: int, full_error: Callable) -> "Segment | None":

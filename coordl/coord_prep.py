@@ -28,6 +28,7 @@ it, or by :func:`cleanup_stale` / ``coordl group rm``.
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -41,8 +42,7 @@ import numpy as np
 from coordl._constants import GROUP_KIND, SHM_PREFIX
 from coordl._group_state import ALONE, LAYOUT_VERSION, NOT_MINE, GroupState, GroupStats, MemberStats, header_ok, segment_size, \
     staged_name, staged_prefix
-from coordl._shm import Segment, SegmentKind, create_unlocked, open_unlocked, reclaim_dead, shm_dir, \
-    unlink_segments
+from coordl._shm import Segment, SegmentKind, create_unlocked, open_or_create, open_unlocked, shm_dir
 from coordl._sizes import format_bytes
 from coordl.exceptions import GroupMismatchError, ShmCapacityError, StagingError
 
@@ -52,7 +52,6 @@ assert __all__ == sorted(__all__)
 
 logger = logging.getLogger(__name__)
 
-_OPEN_ATTEMPTS = 50
 _VALUE_LEN = 160
 
 
@@ -90,23 +89,11 @@ class EpochTicket:
     slot: int
 
 
-def _leave(segment: Segment, slot: int, pid: int) -> None:
-    """Leave the group (failing this member's running epoch); the last member out removes it all."""
-    if segment.buf is None:
-        return
-    try:
-        with segment.locked():
-            state = GroupState(segment)
-            state.unregister(slot, pid)
-            segment.release_slot(slot)
-            if state.reap(segment.live_slots()) == 0:
-                unlink_segments(state.prefix)
-                segment.unlink()
-                logger.debug("removed hp_group %s (last member gone)", segment.name)
-            del state
-        segment.close()
-    except BufferError:  # views of a still-live handle at interpreter exit: the OS unmaps them
-        pass
+def _forget_member(name: str, slot: int, pid: int, buf) -> None:
+    """Unregister member ``slot`` if ``pid`` still has it, failing its running epoch (the mutex is held)."""
+    state = GroupState(types.SimpleNamespace(buf=buf, name=name))
+    state.unregister(slot, pid)
+    del state
 
 
 class HPGroup:
@@ -177,18 +164,9 @@ class HPGroup:
         """
         if self.joined:
             return
-        reclaim_dead(keep=self.name)
-        for _ in range(_OPEN_ATTEMPTS):
-            segment = Segment.open(self.name, what=f"hp_group {self.group!r}")
-            if segment is None:
-                segment = self._create()
-                if segment is None:
-                    continue
-            elif not self._usable(segment):
-                continue
-            self._register(segment)
-            return
-        raise RuntimeError(f"internal error: could not create or attach hp_group {self.group!r} ({self.name})")
+        segment = open_or_create(self.name, what=f"hp_group {self.group!r}", create=self._create,
+                                 usable=self._usable)
+        self._register(segment)
 
     def _create(self) -> Segment | None:
         seed = self.requested_seed
@@ -242,7 +220,7 @@ class HPGroup:
         pid, state = os.getpid(), GroupState(segment)
         try:
             state.reap(segment.live_slots())
-            slot = next((s for s in state.free_slots() if segment.hold_slot(s)), None)
+            slot = segment.take_slot(state.free_slots())
             if slot is not None:
                 state.register(slot, pid, self.expected_members)
         finally:
@@ -257,7 +235,9 @@ class HPGroup:
                         "%s)", self.group, format_bytes(state.capacity), format_bytes(self.staging_bytes))
         self.seed = state.seed
         self._segment, self._state, self._slot = segment, state, slot
-        self._finalizer = multiprocessing.util.Finalize(self, _leave, args=(segment, slot, pid), exitpriority=0)
+        forget = functools.partial(_forget_member, self.name, slot, pid)
+        self._finalizer = multiprocessing.util.Finalize(self, segment.leave, args=(slot, forget, staged_prefix(self.name)),
+                                                        exitpriority=-1)
 
     def close(self) -> None:
         """Leave the group (and the epoch in progress); the last member out removes it. Idempotent."""

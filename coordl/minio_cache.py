@@ -46,6 +46,7 @@ whose users are all dead (``_shm.reclaim_dead``), whatever their dataset.
 """
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import multiprocessing.util
@@ -56,7 +57,7 @@ import time
 import numpy as np
 
 from coordl._constants import CACHE_KIND, MAX_CACHE_USERS, SHM_PREFIX
-from coordl._shm import Segment, SegmentKind, free_shm_bytes, reclaim_dead, shm_dir, total_shm_bytes
+from coordl._shm import Segment, SegmentKind, free_shm_bytes, open_or_create, shm_dir, total_shm_bytes
 from coordl._sizes import format_bytes
 from coordl.exceptions import CacheMismatchError, ShmCapacityError
 
@@ -76,7 +77,6 @@ _FULL, _SHM_SHORT = 1, 2  # why a cache froze (the _H_FROZEN value)
 _PAGE = 4096
 _CHUNK = 64 * 2**20
 _CHUNKS_PER_SHM = 64  # and at most this share of the shm file system per step
-_OPEN_ATTEMPTS = 50
 _HANDLE_LOCKS = threading.Lock()
 
 
@@ -176,23 +176,12 @@ def _header_n_items(buf) -> int | None:
     return n_items if len(buf) >= _index_layout(n_items)[3] else None
 
 
-def _detach(segment: Segment, slot: int, n_items: int) -> None:
-    """Give up ``slot``; unlink the segment if no live user is left; close our mapping."""
-    if segment.buf is None:
-        return
-    try:
-        with segment.locked():
-            views = _Views(segment.buf, n_items)
-            if views.users[slot, 0] == os.getpid():
-                views.users[slot] = 0
-            segment.release_slot(slot)
-            if not segment.live_slots():
-                segment.unlink()
-                logger.debug("removed cache %s (last user gone)", segment.name)
-            del views
-        segment.close()
-    except BufferError:  # views of a still-live handle at interpreter exit: the OS unmaps them
-        pass
+def _forget_user(slot: int, pid: int, buf) -> None:
+    """Clear users row ``slot`` if ``pid`` still has it (the mutex is held)."""
+    users = np.ndarray((MAX_CACHE_USERS, 2), np.int64, buf, _USERS_AT)
+    if users[slot, 0] == pid:
+        users[slot] = 0
+    del users
 
 
 class MinIOCache:
@@ -276,18 +265,8 @@ class MinIOCache:
             return self._attach_lock[1]
 
     def _connect(self) -> None:
-        reclaim_dead(keep=self.name)
-        for _ in range(_OPEN_ATTEMPTS):
-            segment = Segment.open(self.name, what=f"cache {self.name}")
-            if segment is None:
-                segment = self._create()
-                if segment is None:
-                    continue  # another process created it first: attach to theirs
-            elif not self._usable(segment):
-                continue
-            self._register(segment)
-            return
-        raise RuntimeError(f"internal error: could not create or attach cache {self.name}")
+        segment = open_or_create(self.name, what=f"cache {self.name}", create=self._create, usable=self._usable)
+        self._register(segment)
 
     def _create(self) -> Segment | None:
         data_at = index_bytes(self.n_items)
@@ -355,8 +334,7 @@ class MinIOCache:
             views = _Views(segment.buf, self.n_items)
             live = segment.live_slots()
             views.reap_dead(live)
-            taken = set(live)
-            slot = next((s for s in range(MAX_CACHE_USERS) if s not in taken and segment.hold_slot(s)), None)
+            slot = segment.take_slot(s for s in range(MAX_CACHE_USERS) if s not in live)
             if slot is None:
                 raise RuntimeError(f"cache {self.name} already has {MAX_CACHE_USERS} live users")
             pid = os.getpid()
@@ -372,7 +350,7 @@ class MinIOCache:
         self._pid, self._segment, self._views, self._slot = pid, segment, views, slot
         # After multiprocessing stops this process's daemonic children (persistent workers) at exit.
         self._finalizer = multiprocessing.util.Finalize(
-            self, _detach, args=(segment, slot, self.n_items), exitpriority=-1)
+            self, segment.leave, args=(slot, functools.partial(_forget_user, slot, pid)), exitpriority=-1)
 
     # -- the data path -----------------------------------------------------------------------
 
