@@ -281,30 +281,45 @@ class Segment:
         return segment
 
     @classmethod
-    def open(cls, name: str, *, what: str = "") -> "Segment | None":
-        """Map existing segment ``name`` with its mutex held; None if it does not exist (any more).
-
-        ``what`` names the segment in the warning logged while the mutex is held by someone else.
-        """
+    def _map(cls, name: str, *, locking: bool, holder_info: bool = True) -> "Segment | None":
+        """Map existing segment ``name`` (with a lock descriptor if ``locking``), no lock taken; None if it
+        does not exist."""
         path = segment_path(name)
         try:
             map_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        lock_fd = -1
         try:
-            lock_fd = os.open(f"/proc/self/fd/{map_fd}", os.O_RDWR | os.O_CLOEXEC)
+            if locking:
+                lock_fd = os.open(f"/proc/self/fd/{map_fd}", os.O_RDWR | os.O_CLOEXEC)  # same inode, own description
             size = os.fstat(map_fd).st_size
             mm = mmap.mmap(map_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(map_fd)
+            for fd in (map_fd, lock_fd):
+                if fd >= 0:
+                    os.close(fd)
             raise
-        segment = cls(name, path, map_fd, lock_fd, mm)
-        segment.lock(what=what or name)
+        return cls(name, path, map_fd, lock_fd, mm, holder_info=holder_info and size >= LOCK_INFO_AT + 16)
+
+    @classmethod
+    def open(cls, name: str, *, what: str = "", timeout_s: float | None = None) -> "Segment | None":
+        """Map existing segment ``name`` with its mutex held; None if it does not exist (any more), or if
+        ``timeout_s`` passed before the mutex could be had.
+
+        ``what`` names the segment in the warning logged while the mutex is held by someone else.
+        """
+        segment = cls._map(name, locking=True)
+        if segment is None:
+            return None
+        if not segment.lock(what=what or name, timeout_s=timeout_s):
+            segment.close()
+            return None
         try:
-            current = os.stat(path).st_ino
+            current = os.stat(segment.path).st_ino
         except FileNotFoundError:
             current = None
-        if current != os.fstat(map_fd).st_ino:  # unlinked (or replaced) before we got the mutex
+        if current != os.fstat(segment._map_fd).st_ino:  # unlinked (or replaced) before we got the mutex
             segment.unlock()
             segment.close()
             return None
@@ -496,17 +511,7 @@ def create_unlocked(name: str, size: int, full_error: Callable) -> "Segment | No
 
 def open_unlocked(name: str) -> "Segment | None":
     """Map existing plain segment ``name`` (a staged batch) without locking; None if it does not exist."""
-    path = segment_path(name)
-    try:
-        map_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        mm = mmap.mmap(map_fd, os.fstat(map_fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(map_fd)
-        raise
-    return Segment(name, path, map_fd, -1, mm, holder_info=False)
+    return Segment._map(name, locking=False, holder_info=False)
 
 
 def unlink_segment(name: str) -> None:
@@ -591,7 +596,7 @@ class SegmentKind:
 
     def _remove_if_dead(self, name: str) -> bool:
         try:
-            segment = _open_for_removal(name)
+            segment = Segment.open(name, timeout_s=0.2)  # a held mutex means a live user: never wait on it
         except PermissionError:
             return False
         if segment is None:
@@ -614,27 +619,6 @@ class SegmentKind:
     def cleanup_stale(self, keep: str = "") -> list[str]:
         """Remove every segment of this kind (but ``keep``) whose users are all dead; return their names."""
         return [name for name in list_segments(self.kind) if name != keep and self.remove(name)]
-
-
-def _open_for_removal(name: str) -> "Segment | None":
-    """``name`` mapped with its mutex held, if the mutex can be had within a moment; else None."""
-    path = segment_path(name)
-    try:
-        map_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        lock_fd = os.open(f"/proc/self/fd/{map_fd}", os.O_RDWR | os.O_CLOEXEC)
-        mm = mmap.mmap(map_fd, max(os.fstat(map_fd).st_size, 1), mmap.MAP_SHARED,
-                       mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(map_fd)
-        raise
-    segment = Segment(name, path, map_fd, lock_fd, mm)
-    if not segment.lock(timeout_s=0.2):
-        segment.close()
-        return None
-    return segment
 
 
 def _owner(path: str) -> int:
