@@ -39,6 +39,40 @@ class Encoded:
     nbytes: int
 
 
+class _Layout:
+    """A batch's description, built with its tensors laid out one after another (each 64-byte aligned).
+
+    A class rather than a recursive closure: a closure that calls itself is a reference cycle, which would
+    keep the batch's tensors (and the shared memory and descriptors of torch's worker tensors) until the
+    garbage collector runs.
+    """
+
+    def __init__(self):
+        self.tensors: list[tuple[int, torch.Tensor]] = []
+        self.size = 0
+
+    def describe(self, x):
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            kind = "ndarray" if isinstance(x, np.ndarray) else "tensor"
+            t = torch.from_numpy(np.ascontiguousarray(x)) if kind == "ndarray" else x.detach()
+            if t.device.type != "cpu":
+                raise TypeError(f"hp_group stages CPU tensors, but collate_fn returned one on {t.device}")
+            t = t.contiguous()
+            self.tensors.append((self.size, t))
+            node = {"t": kind, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "at": self.size}
+            self.size += _aligned(t.numel() * t.element_size())
+            return node
+        if type(x) in (tuple, list):
+            return {"t": type(x).__name__, "items": [self.describe(v) for v in x]}
+        if type(x) is dict and all(type(k) in (str, int) for k in x):
+            return {"t": "dict", "keys": list(x), "items": [self.describe(v) for v in x.values()]}
+        if type(x) in _SCALARS:
+            return {"t": "value", "v": x}
+        raise TypeError(f"hp_group stages tensors, numpy arrays, numbers and strings in (nested) tuples, lists "
+                        f"and dicts, but collate_fn returned a {type(x).__qualname__}. Make collate_fn return "
+                        f"those (or run without hp_group=).")
+
+
 def encode(batch) -> Encoded:
     """Describe ``batch`` and lay out its tensors; copies nothing.
 
@@ -46,34 +80,10 @@ def encode(batch) -> Encoded:
         TypeError: ``batch`` holds something other than tensors, numpy arrays, scalars, strings or None
             in tuples, lists and dicts (with str or int keys), or a tensor not on the CPU.
     """
-    tensors: list[tuple[int, torch.Tensor]] = []
-    size = 0
-
-    def walk(x):
-        nonlocal size
-        if isinstance(x, (torch.Tensor, np.ndarray)):
-            kind = "ndarray" if isinstance(x, np.ndarray) else "tensor"
-            t = torch.from_numpy(np.ascontiguousarray(x)) if kind == "ndarray" else x.detach()
-            if t.device.type != "cpu":
-                raise TypeError(f"hp_group stages CPU tensors, but collate_fn returned one on {t.device}")
-            t = t.contiguous()
-            tensors.append((size, t))
-            node = {"t": kind, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "at": size}
-            size += _aligned(t.numel() * t.element_size())
-            return node
-        if type(x) in (tuple, list):
-            return {"t": type(x).__name__, "items": [walk(v) for v in x]}
-        if type(x) is dict and all(type(k) in (str, int) for k in x):
-            return {"t": "dict", "keys": list(x), "items": [walk(v) for v in x.values()]}
-        if type(x) in _SCALARS:
-            return {"t": "value", "v": x}
-        raise TypeError(f"hp_group stages tensors, numpy arrays, numbers and strings in (nested) tuples, lists "
-                        f"and dicts, but collate_fn returned a {type(x).__qualname__}. Make collate_fn return "
-                        f"those (or run without hp_group=).")
-
-    meta = json.dumps(walk(batch)).encode()
+    layout = _Layout()
+    meta = json.dumps(layout.describe(batch)).encode()
     data_at = _aligned(_PREFIX_BYTES + len(meta))
-    return Encoded(meta, [(data_at + at, t) for at, t in tensors], data_at + size)
+    return Encoded(meta, [(data_at + at, t) for at, t in layout.tensors], data_at + layout.size)
 
 
 def write(encoded: Encoded, buf, epoch: int, batch: int) -> None:

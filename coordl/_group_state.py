@@ -6,7 +6,8 @@ One segment ``/dev/shm/cdl_<token>_group`` (token = sha256(uid, group name)) hol
   * members (``MAX_GROUP_MEMBERS`` rows of int64 ``_M_*``): pid and start ticks, the epoch it waits
     for, the epoch it is in, its cursor (next batch it will consume), counters;
   * staging ring (``STAGING_SLOTS`` rows of int64 ``_R_*``): batch ``b`` of the current epoch occupies
-    row ``b % STAGING_SLOTS`` while staged: its segment's sequence number, size, state and use mask;
+    row ``b % STAGING_SLOTS`` while staged: its segment's sequence number, size, state, use mask and the
+    row's version (NOTE [ Ring rows ]);
   * owners (int16 per batch of the epoch): the member slot that prepares each batch.
 A staged batch's bytes live in their own segment ``cdl_<token>_s<seq>``, sized exactly.
 
@@ -17,8 +18,25 @@ that leaves or dies is discounted exactly. Batch ``b`` may be staged only when e
 consumed ``b - STAGING_SLOTS`` (its ring row is then free), and only while the staged bytes fit in the
 capacity, except for the batch the slowest member needs next, which is always admitted. No batch can
 therefore block the one everybody waits for: memory stays under capacity + one batch and the group
-moves at the pace of its slowest member. Consumers poll the ring without the lock: a row's fields are
-written before its state says ready.
+moves at the pace of its slowest member.
+
+NOTE [ Ring rows ]
+Rows change only under the lock, and every change to a row's batch, epoch, state or sequence number is
+made between two increments of the row's version (odd meanwhile: a seqlock). Consumers poll without the
+lock (:meth:`GroupState.staged`): the version, the fields, the version again; the row counts only if both
+reads give the same even version. These are aligned int64 numpy element stores and loads, one instruction
+each on x86-64, made in program order, and x86-64 (TSO) keeps a core's stores in order and its loads in
+order, so there a poll only ever returns a row as a writer left it. On aarch64 and other weakly ordered
+CPUs the writer would need release and the reader acquire ordering, which Python cannot ask for, so there
+a poll may mix two states of a row. Correctness therefore never rests on the poll, which is only a hint:
+a consumer takes a batch only once :meth:`GroupState.holds` confirms, under the lock, that the row holds
+(epoch, batch, seq, ready), and it opens the batch's segment and sets its use bit under that same lock
+(taking and dropping the lock are system calls and thread-lock operations, which order memory: a
+writer's stores come before its unlock, the reader's loads after its lock). A stale hint is polled again.
+The row cannot be freed before this member's bit is set, and sequence numbers (so segment names) are
+never reused within a group, so the segment opened holds the batch the row named; the batch's own header
+(epoch, batch id) is checked as it is read, and a mismatch, which only a segment changed by hand can
+cause, raises StagingError.
 
 NOTE [ Failures and takeover ]
 A member that dies (SIGKILL included) or abandons an epoch is *failed*: it leaves the active mask, rows
@@ -53,7 +71,7 @@ _HEADER_BYTES = 4096
  _M_EPOCHS) = range(10)
 _MEMBER_FIELDS = 16
 _MEMBERS_AT = _HEADER_BYTES
-(_R_BATCH, _R_EPOCH, _R_STATE, _R_SEQ, _R_NBYTES, _R_USED) = range(6)
+(_R_BATCH, _R_EPOCH, _R_STATE, _R_SEQ, _R_NBYTES, _R_USED, _R_VERSION) = range(7)
 _RING_FIELDS = 8
 _RING_AT = _MEMBERS_AT + MAX_GROUP_MEMBERS * _MEMBER_FIELDS * 8
 _OWNERS_AT = _RING_AT + STAGING_SLOTS * _RING_FIELDS * 8
@@ -261,27 +279,54 @@ class GroupState:
             self.header[_H_OPEN_SINCE_NS] = time.time_ns()
         return upcoming
 
+    def withdraw(self, slot: int, upcoming: int, why: str) -> None:
+        """Member ``slot`` stopped waiting for epoch ``upcoming``: take back its arrival or, if that epoch
+        started with it, fail it out of the epoch (``why`` says what stopped it)."""
+        m = self.members
+        if m[slot, _M_ARRIVED_FOR] == upcoming:
+            m[slot, _M_ARRIVED_FOR] = 0
+            if not np.any(m[:, _M_ARRIVED_FOR] == upcoming):
+                self.header[_H_OPEN_SINCE_NS] = 0
+        elif m[slot, _M_IN_EPOCH] == upcoming:
+            self.fail(slot, why)
+
     def epoch_of(self, slot: int) -> tuple[int, int, int]:
         """(epoch member ``slot`` is in, the group's latest epoch, that epoch's member count)."""
         return int(self.members[slot, _M_IN_EPOCH]), int(self.header[_H_EPOCH]), int(self.header[_H_MEMBERS])
 
+    def _awaited(self, now_ns: int, timeout_ns: int) -> tuple[list[int], list[int]]:
+        """Slots of the latest epoch's members that the next epoch waits for: (still consuming it, finished
+        it less than the timeout ago and not arrived yet)."""
+        h, m = self.header, self.members
+        latest, consuming, returning = int(h[_H_EPOCH]), [], []
+        for s in np.flatnonzero(m[:, _M_PID]).tolist():
+            if not latest or m[s, _M_IN_EPOCH] != latest or m[s, _M_ARRIVED_FOR] == latest + 1:
+                continue
+            done_ns = int(m[s, _M_DONE_NS])
+            if not done_ns and int(h[_H_ACTIVE]) >> s & 1:
+                consuming.append(s)
+            elif done_ns and now_ns - done_ns < timeout_ns:
+                returning.append(s)
+        return consuming, returning
+
+    def awaited(self, timeout_s: float) -> tuple[list[int], list[int]]:
+        """Pids of the members the next epoch waits for: (still consuming the latest epoch, finished it
+        less than ``timeout_s`` ago and not arrived yet)."""
+        consuming, returning = self._awaited(time.time_ns(), int(timeout_s * 1e9))
+        return [self.pid_of(s) for s in consuming], [self.pid_of(s) for s in returning]
+
     def try_seal(self, timeout_s: float) -> None:
         """Start the group's next epoch if it may start (see NOTE [ Epochs and membership ] in coord_prep)."""
         h, m = self.header, self.members
-        previous, upcoming = int(h[_H_EPOCH]), int(h[_H_EPOCH]) + 1
-        live = np.flatnonzero(m[:, _M_PID])
-        arrived = [int(s) for s in live if m[s, _M_ARRIVED_FOR] == upcoming]
+        upcoming = int(h[_H_EPOCH]) + 1
+        arrived = [int(s) for s in np.flatnonzero(m[:, _M_PID]) if m[s, _M_ARRIVED_FOR] == upcoming]
         if not arrived:
             return
         now, timeout_ns = time.time_ns(), int(timeout_s * 1e9)
-        for s in live:
-            if not previous or m[s, _M_IN_EPOCH] != previous or m[s, _M_ARRIVED_FOR] == upcoming:
-                continue
-            consuming = not m[s, _M_DONE_NS] and int(h[_H_ACTIVE]) >> int(s) & 1
-            if consuming or m[s, _M_DONE_NS] and now - m[s, _M_DONE_NS] < timeout_ns:
-                return  # a member of the previous epoch may still come
+        if any(self._awaited(now, timeout_ns)):
+            return  # a member of the latest epoch may still come
         expected = int(m[arrived, _M_EXPECT].max())
-        if not previous and len(arrived) < expected and now - h[_H_OPEN_SINCE_NS] < timeout_ns:
+        if upcoming == 1 and len(arrived) < expected and now - h[_H_OPEN_SINCE_NS] < timeout_ns:
             return
         for row in np.flatnonzero(self.ring[:, _R_STATE] != _FREE):
             self._free_row(int(row))
@@ -295,6 +340,10 @@ class GroupState:
     def owner(self, batch: int) -> int:
         """Slot of the member that prepares ``batch`` now (read without the lock)."""
         return int(self.owners[batch])
+
+    def pid_of(self, slot: int) -> int:
+        """Pid of member ``slot`` (0 if the slot is free; read without the lock)."""
+        return int(self.members[slot, _M_PID])
 
     def batches_of(self, slot: int) -> list[int]:
         """The batches of the running epoch that member ``slot`` prepares (read without the lock)."""
@@ -311,13 +360,20 @@ class GroupState:
 
     # -- staging -------------------------------------------------------------------------------
 
+    def _write_row(self, row: int, values: dict[int, int]) -> None:
+        """Set fields of ring row ``row``, its version odd meanwhile (NOTE [ Ring rows ])."""
+        entry = self.ring[row]
+        entry[_R_VERSION] += 1
+        for field, value in values.items():
+            entry[field] = value
+        entry[_R_VERSION] += 1
+
     def _free_row(self, row: int) -> None:
         entry = self.ring[row]
         if entry[_R_STATE] != _FREE:
             unlink_segment(f"{self.prefix}{int(entry[_R_SEQ]):x}")
             self.header[_H_STAGED_BYTES] -= entry[_R_NBYTES]
-        entry[:] = 0
-        entry[_R_BATCH] = -1
+        self._write_row(row, {_R_STATE: _FREE, _R_BATCH: -1, _R_EPOCH: 0, _R_SEQ: 0, _R_NBYTES: 0, _R_USED: 0})
 
     def _free_used(self) -> None:
         """Free every staged batch that all active members have used."""
@@ -338,42 +394,52 @@ class GroupState:
         if h[_H_ACTIVE] == bit:
             self.members[slot, _M_PREPARED] += 1
             return ALONE
-        low = self._low()
-        entry = self.ring[batch % STAGING_SLOTS]
+        low, row = self._low(), batch % STAGING_SLOTS
         fits = h[_H_STAGED_BYTES] + nbytes <= h[_H_CAPACITY] or batch <= low
-        if batch >= low + STAGING_SLOTS or entry[_R_STATE] != _FREE or not fits:
+        if batch >= low + STAGING_SLOTS or self.ring[row, _R_STATE] != _FREE or not fits:
             return None
         h[_H_SEQ] += 1
         seq = int(h[_H_SEQ])
-        entry[_R_BATCH], entry[_R_EPOCH], entry[_R_SEQ] = batch, epoch, seq
-        entry[_R_NBYTES], entry[_R_USED], entry[_R_STATE] = nbytes, bit, _WRITING
+        self._write_row(row, {_R_BATCH: batch, _R_EPOCH: epoch, _R_SEQ: seq, _R_NBYTES: nbytes, _R_USED: bit,
+                              _R_STATE: _WRITING})
         h[_H_STAGED_BYTES] += nbytes
         h[_H_PEAK_BYTES] = max(h[_H_PEAK_BYTES], h[_H_STAGED_BYTES])
         return seq
 
     def commit(self, slot: int, epoch: int, batch: int, seq: int) -> bool:
         """Publish reserved ``batch``; False (its segment removed) if it was taken over meanwhile."""
-        entry = self.ring[batch % STAGING_SLOTS]
+        row = batch % STAGING_SLOTS
+        entry = self.ring[row]
         if entry[_R_SEQ] != seq or entry[_R_STATE] != _WRITING or entry[_R_EPOCH] != epoch:
             unlink_segment(f"{self.prefix}{seq:x}")
             return False
-        entry[_R_STATE] = _READY
+        self._write_row(row, {_R_STATE: _READY})
         self.members[slot, _M_PREPARED] += 1
         self._free_used()
         return True
 
     def staged(self, epoch: int, batch: int) -> int | None:
-        """Sequence number of ``batch`` if staged and ready, else None (read without the lock)."""
+        """Sequence number of ``batch`` if its row reads as staged and ready, else None.
+
+        Read without the lock, so only a hint: :meth:`holds` confirms it under the lock (NOTE [ Ring rows ]).
+        """
         entry = self.ring[batch % STAGING_SLOTS]
-        if entry[_R_STATE] == _READY and entry[_R_BATCH] == batch and entry[_R_EPOCH] == epoch:
-            return int(entry[_R_SEQ])
-        return None
+        version = int(entry[_R_VERSION])
+        row_batch, row_epoch, state, seq = entry[[_R_BATCH, _R_EPOCH, _R_STATE, _R_SEQ]].tolist()
+        if version % 2 or int(entry[_R_VERSION]) != version:
+            return None
+        return seq if (row_batch, row_epoch, state) == (batch, epoch, _READY) else None
+
+    def holds(self, epoch: int, batch: int, seq: int) -> bool:
+        """Whether ``batch``'s ring row holds its ready segment ``seq`` of ``epoch``."""
+        entry = self.ring[batch % STAGING_SLOTS]
+        return bool(entry[_R_STATE] == _READY and entry[_R_SEQ] == seq and entry[_R_BATCH] == batch
+                    and entry[_R_EPOCH] == epoch)
 
     def release(self, slot: int, epoch: int, batch: int, seq: int) -> None:
         """Member ``slot`` used staged ``batch``; the last member of the epoch to use it frees it."""
-        entry = self.ring[batch % STAGING_SLOTS]
-        if entry[_R_SEQ] == seq and entry[_R_EPOCH] == epoch and entry[_R_STATE] == _READY:
-            entry[_R_USED] |= 1 << slot
+        if self.holds(epoch, batch, seq):
+            self.ring[batch % STAGING_SLOTS, _R_USED] |= 1 << slot
             self._free_used()
         self.members[slot, _M_SHARED] += 1
 

@@ -9,7 +9,19 @@ a failed member are prepared in the producer thread itself. The consumer (the tr
 copy-on-write from the staging area (or copied into pinned memory). A private mapping outlives the
 segment's name, so the slot is freed as soon as every member has mapped it, and a member's writes to
 its batch stay its own. A batch is handed over only once published, so no member runs ahead of the
-staging window.
+staging window. The consumer takes another's batch only after confirming under the lock that its ring
+row still holds it (NOTE [ Ring rows ] in _group_state); a stale poll is polled again.
+
+NOTE [ Own batches ahead ]
+The staging window bounds what a member stages for the others, but not what its producer holds for its
+own consumer: a lone member (no other to stage for) or one far ahead of the slowest would hold its whole
+share, each batch with the shared memory and file descriptors of torch's worker tensors. So a producer
+pulls a batch from its loader only while it holds fewer than ``ahead`` of its own batches that its
+consumer has not taken yet (pulled, published or not), with ``ahead`` what torch keeps in flight for a
+job without hp_group (num_workers × prefetch_factor, at least 2): whatever the group's size, a member
+holds about twice what that job holds, besides the others' batches it maps. One exception keeps the
+group live: a source whose next batch comes before every held one (a batch taken over, needed first)
+may always pull, so the batch the consumer waits for is never held back by later ones.
 """
 
 import dataclasses
@@ -59,27 +71,39 @@ class _Source:
     """Batches this job prepares, in plan order: ``(batch id, batch)`` with at most one pulled ahead."""
 
     def __init__(self, ids: list[int], batches: Iterator):
-        self.ids, self.batches, self.pending, self.done = iter(ids), batches, None, False
+        self.ids, self.batches, self.pending, self.done, self.pulled = ids, batches, None, False, 0
+
+    @property
+    def wants(self) -> bool:
+        """Whether it would pull now (nothing pending, not exhausted)."""
+        return self.pending is None and not self.done
+
+    @property
+    def next_id(self) -> float:
+        """The id of the batch it pulls next (infinity past its last one, where a pull only finds the end)."""
+        return self.ids[self.pulled] if self.pulled < len(self.ids) else float("inf")
 
     def fill(self) -> None:
-        if self.pending is None and not self.done:
-            try:
-                batch = next(self.batches)
-            except StopIteration:
-                self.done = True
-                return
-            self.pending = (next(self.ids), batch, None)
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            self.done = True
+            return
+        self.pending = (self.ids[self.pulled], batch, None)
+        self.pulled += 1
 
 
 class _Producer:
     """The producer thread's loop and what it shares with the consumer (see NOTE [ Producer and consumer ])."""
 
     def __init__(self, group: HPGroup, ticket: EpochTicket, share: Iterator, share_ids: list[int], generation: int,
-                 prepare: Callable[[list[list[int]]], Iterator], plan: list[list[int]], counters: GroupCounters):
+                 prepare: Callable[[list[list[int]]], Iterator], plan: list[list[int]], counters: GroupCounters,
+                 ahead: int):
         self.group, self.epoch, self.plan, self.prepare, self.counters = group, ticket.epoch, plan, prepare, counters
-        self.share_ids, self.generation = share_ids, generation
+        self.share_ids, self.generation, self.ahead = share_ids, generation, ahead
         self.share = share
         self.ready: dict[int, Any] = {}
+        self.consumed = 0  # own batches the consumer took from ready
         self.cond = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -104,6 +128,7 @@ class _Producer:
         known, generation = set(self.share_ids), self.generation
         backoff, last_check = _Backoff(), time.monotonic()
         while not self.stop.is_set():
+            consumed = self.consumed
             if self.group.generation != generation:
                 generation = self.group.generation
                 taken = [b for b in self.group.batches_of_mine() if b not in known]
@@ -112,7 +137,8 @@ class _Producer:
                     self.takeovers.append(self.prepare([self.plan[b] for b in taken]))
                     sources.append(_Source(taken, self.takeovers[-1]))
             for source in sources:
-                source.fill()
+                if source.wants and self._may_pull(source, sources):
+                    source.fill()
             pending = sorted((s for s in sources if s.pending is not None), key=lambda s: s.pending[0])
             if any(self._publish(s) for s in pending):
                 backoff.reset()
@@ -120,7 +146,17 @@ class _Producer:
             if time.monotonic() - last_check > LIVENESS_POLL_S:
                 self.group.check_members()
                 last_check = time.monotonic()
-            backoff.sleep()
+            if pending:
+                backoff.sleep()  # no room in the staging area yet
+            else:
+                with self.cond:  # held back until its consumer takes a batch (or done)
+                    self.cond.wait_for(lambda: self.consumed != consumed, _MAX_POLL_S)
+
+    def _may_pull(self, source: _Source, sources: list[_Source]) -> bool:
+        """Whether ``source`` may pull its next batch (NOTE [ Own batches ahead ])."""
+        with self.cond:
+            held = [*self.ready, *(s.pending[0] for s in sources if s.pending is not None)]
+        return len(held) < self.ahead or source.next_id < min(held)
 
     def _publish(self, source: _Source) -> bool:
         """Stage ``source``'s pending batch if there is room; whether it is done with (published or dropped)."""
@@ -173,6 +209,8 @@ class CoordinatedEpoch:
             an iterator over them, in order, whose ``close()`` (if any) is called when the producer ends.
         counters: where this job's counts for the epoch go.
         pin_memory: copy staged batches into pinned memory.
+        ahead: how many of its own batches the producer may hold before the consumer takes them (NOTE [ Own
+            batches ahead ]); the loader passes num_workers × prefetch_factor, at least 2.
 
     Lifecycle: starts a daemon producer thread. Reaching the end, :meth:`close`, an error, or garbage
     collection stops it; an epoch left unfinished is handed to the other members.
@@ -180,11 +218,11 @@ class CoordinatedEpoch:
 
     def __init__(self, group: HPGroup, ticket: EpochTicket, plan: list[list[int]], share: Iterator,
                  share_ids: list[int], generation: int, prepare: Callable[[list[list[int]]], Iterator],
-                 counters: GroupCounters, pin_memory: bool = False):
+                 counters: GroupCounters, pin_memory: bool = False, ahead: int = 2):
         self._group, self._ticket, self._plan, self._pin = group, ticket, plan, pin_memory
         self._counters = counters
         self._next = 0
-        self._producer = _Producer(group, ticket, share, share_ids, generation, prepare, plan, counters)
+        self._producer = _Producer(group, ticket, share, share_ids, generation, prepare, plan, counters, ahead)
         self._thread = threading.Thread(target=self._producer.run, name=f"coordl-hp-group-epoch-{ticket.epoch}",
                                         daemon=True)
         self._finished = [False]
@@ -226,7 +264,7 @@ class CoordinatedEpoch:
         return batch
 
     def _wait_for(self, i: int):
-        producer, backoff = self._producer, _Backoff()
+        producer, backoff, epoch = self._producer, _Backoff(), self._ticket.epoch
         started = last_check = time.monotonic()
         warned = False
         while True:
@@ -235,12 +273,15 @@ class CoordinatedEpoch:
             if self._group.owner(i) == self._ticket.slot:
                 with producer.cond:
                     if i in producer.ready:
+                        producer.consumed += 1
+                        producer.cond.notify_all()
                         return producer.ready.pop(i)
                     producer.cond.wait(_MAX_POLL_S)
             else:
-                seq = self._group.staged(self._ticket.epoch, i)
-                if seq is not None:
-                    batch = self._take_staged(i, seq)
+                seq = self._group.staged(epoch, i)
+                segment = None if seq is None else self._group.take_staged(epoch, i, seq)
+                if segment is not None:
+                    batch = self._read_staged(i, segment)
                     self._counters.staging_wait_s += time.monotonic() - started
                     return batch
                 backoff.sleep()
@@ -249,20 +290,26 @@ class CoordinatedEpoch:
                 self._group.check_members()
                 last_check = now
             if not warned and now - started > self._group.timeout_s:
-                logger.warning("hp_group %r: waited %.0f s for batch %d of epoch %d (prepared by member slot %d); "
-                               "still waiting while that job is alive", self._group.group, now - started, i,
-                               self._ticket.epoch, self._group.owner(i))
+                self._warn_waiting(i, now - started)
                 warned = True
 
-    def _take_staged(self, i: int, seq: int):
-        """Another member's batch ``i``: copied into pinned memory, else its large tensors mapped
-        copy-on-write (no copy) and the rest copied."""
-        segment = self._group.open_staged(seq)
+    def _warn_waiting(self, i: int, waited_s: float) -> None:
+        owner = self._group.owner(i)
+        pid = self._group.pid_of(owner)
+        if owner == self._ticket.slot:
+            who = f"this job (pid {pid}), whose own loader has not delivered it yet"
+        else:
+            who = f"the job with pid {pid}, which has not published it yet; still waiting while that job is alive"
+        logger.warning("hp_group %r: waited %.0f s for batch %d of epoch %d, prepared by %s", self._group.group,
+                       waited_s, i, self._ticket.epoch, who)
+
+    def _read_staged(self, i: int, segment):
+        """Another member's batch ``i`` from its taken segment (closed here): copied into pinned memory, else
+        its large tensors mapped copy-on-write (no copy) and the rest copied."""
         try:
             batch = _batch_codec.read(segment.buf, self._ticket.epoch, i, pin_memory=self._pin,
                                       map_range=None if self._pin else segment.private_map)
         finally:
             segment.close()
-        self._group.release(self._ticket.epoch, i, seq)
         self._counters.shared += 1
         return batch

@@ -106,8 +106,9 @@ class HPGroup:
         seed: the plan seed this job asks for, or None to take the group's (drawn by its creator).
         staging_bytes: capacity of the staging area if this job creates the group.
         expected_members: ``hp_group_size``: the group's first epoch waits for this many. Defaults to 1.
-        timeout_s: how long the first epoch waits for ``expected_members``, and how long an epoch
-            waits for a member that finished the previous one. Defaults to 60.
+        timeout_s: how long the first epoch waits for ``expected_members``, how long an epoch waits for
+            a member that finished the previous one, and after how long a wait logs a warning naming the
+            jobs it waits for. Defaults to 60.
 
     Lifecycle: :meth:`join` creates or attaches the group segment and registers this process (the
     loader's; workers never touch it). :meth:`close`, garbage collection or exit leaves; the last
@@ -249,29 +250,56 @@ class HPGroup:
     # -- epochs --------------------------------------------------------------------------------
 
     def start_epoch(self) -> EpochTicket:
-        """Arrive for the group's next epoch and wait until it starts (see NOTE [ Epochs and membership ])."""
+        """Arrive for the group's next epoch and wait until it starts (see NOTE [ Epochs and membership ]).
+
+        If anything interrupts the wait (KeyboardInterrupt included), this job takes its arrival back, or
+        leaves the epoch if it has started with it, so the group never waits on a job that stopped waiting.
+        """
         self.join()
-        with self._locked() as state:
-            state.reap(self._live())
-            upcoming = state.arrive(self._slot)
-        started, delay, logged = time.monotonic(), 0.001, False
+        upcoming = None
+        try:
+            with self._locked() as state:
+                state.reap(self._live())
+                upcoming = state.arrive(self._slot)
+            return self._wait_for_epoch(upcoming)
+        except BaseException as e:
+            if upcoming is not None and self.joined:
+                with self._locked() as state:
+                    state.withdraw(self._slot, upcoming, f"stopped by {type(e).__name__}")
+            raise
+
+    def _wait_for_epoch(self, upcoming: int) -> EpochTicket:
+        """Poll until epoch ``upcoming`` starts; warn, naming whom it waits for, once it takes longer than
+        the timeout."""
+        started, delay, warned = time.monotonic(), 0.001, False
         while True:
             with self._locked() as state:
                 state.reap(self._live())
                 state.try_seal(self.timeout_s)
                 mine, running, members = state.epoch_of(self._slot)
+                late = mine != upcoming and not warned and time.monotonic() - started > self.timeout_s
+                awaited = state.awaited(self.timeout_s) if late else None
             if mine == upcoming:
+                if upcoming == 1 and members < self.expected_members:
+                    logger.warning("hp_group %r: epoch 1 started with %d of the %d jobs hp_group_size asks for, "
+                                   "after hp_group_timeout_s=%g s; jobs that come later join at the next epoch",
+                                   self.group, members, self.expected_members, self.timeout_s)
                 return EpochTicket(upcoming, members, self._slot)
-            if not logged and time.monotonic() - started > self.timeout_s:
-                logger.info("hp_group %r: waiting for epoch %d to start (the group is in epoch %d)", self.group,
-                            upcoming, running)
-                logged = True
+            if late:
+                logger.warning("hp_group %r: waited %.0f s for epoch %d to start: %s", self.group,
+                               time.monotonic() - started, upcoming,
+                               _awaited_text(running, *awaited, self.expected_members))
+                warned = True
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
     def owner(self, batch: int) -> int:
         """Slot of the member that prepares ``batch`` now (read without the lock)."""
         return self._state.owner(batch)
+
+    def pid_of(self, slot: int) -> int:
+        """Pid of the job in member ``slot`` (read without the lock)."""
+        return self._state.pid_of(slot)
 
     def batches_of_mine(self) -> list[int]:
         """The batches of the running epoch that this job prepares (its share and any taken over)."""
@@ -339,30 +367,49 @@ class HPGroup:
             return state.commit(self._slot, epoch, batch, seq)
 
     def staged(self, epoch: int, batch: int) -> int | None:
-        """Sequence number of ``batch`` if it is staged and ready, else None (read without the lock)."""
+        """Sequence number of ``batch`` if it reads as staged and ready, else None (read without the lock: a
+        hint for :meth:`take_staged`)."""
         return self._state.staged(epoch, batch)
 
-    def open_staged(self, seq: int) -> Segment:
-        """The (unlocked) segment of staged batch ``seq``; the caller closes it.
+    def take_staged(self, epoch: int, batch: int, seq: int) -> Segment | None:
+        """The (unlocked) segment of staged ``batch``, marked used by this job, if its ring row still holds
+        ready ``seq``; else None (the hint was stale: poll again). See NOTE [ Ring rows ] in _group_state.
+
+        The caller reads and closes it; the last member to take a batch removes its name, not the open segment.
 
         Raises:
             StagingError: it is gone (removed by hand, e.g. ``coordl group rm --force``).
         """
-        segment = open_unlocked(staged_name(self.name, seq))
+        with self._locked() as state:
+            if not state.holds(epoch, batch, seq):
+                return None
+            segment = open_unlocked(staged_name(self.name, seq))
+            if segment is not None:
+                state.release(self._slot, epoch, batch, seq)
         if segment is None:
             raise StagingError(f"staged batch {seq} of hp_group {self.group!r} disappeared from {shm_dir()} "
                                f"(was the group removed with `coordl group rm --force`?)")
         return segment
 
-    def release(self, epoch: int, batch: int, seq: int) -> None:
-        """Mark staged ``batch`` used by this job; the last of the epoch's members to use it frees it."""
-        with self._locked() as state:
-            state.release(self._slot, epoch, batch, seq)
-
     def stats(self) -> GroupStats:
         """The group's epoch, members and staging memory as all its members see them."""
         with self._locked() as state:
             return state.snapshot(self.name, self._live())
+
+
+def _awaited_text(running: int, consuming: list[int], returning: list[int], expected: int) -> str:
+    """Whom a group waits for before its next epoch, for a warning."""
+    if not running:
+        return (f"its first epoch waits for hp_group_size={expected} jobs, up to hp_group_timeout_s after the first "
+                f"one arrived")
+    parts = []
+    if consuming:
+        parts.append(f"job(s) with pid(s) {', '.join(map(str, consuming))} still consume epoch {running} (waiting "
+                     f"while they are alive)")
+    if returning:
+        parts.append(f"job(s) with pid(s) {', '.join(map(str, returning))} finished epoch {running} and may come "
+                     f"back (waiting up to hp_group_timeout_s after they finished)")
+    return "; ".join(parts) or f"epoch {running} has just ended"
 
 
 def _read(name: str, buf, live: list[int]) -> GroupStats | None:

@@ -313,7 +313,8 @@ class DataLoader(torch.utils.data.DataLoader):
                 self._last_pass = weakref.ref(share)
                 prepare = functools.partial(_prepare_batches, self.dataset, self.collate_fn)
             coordinated = CoordinatedEpoch(self._group, ticket, plan, share, mine, generation, prepare, group_counters,
-                                           pin_memory=self.pin_memory and torch.cuda.is_available())
+                                           pin_memory=self.pin_memory and torch.cuda.is_available(),
+                                           ahead=max(2, self.num_workers * (self.prefetch_factor or 2)))
         except BaseException:
             self._group.leave_epoch()  # the others take over this job's share
             raise

@@ -5,6 +5,7 @@ import glob
 import multiprocessing as mp
 import os
 import random
+import resource
 import signal
 import sys
 import time
@@ -236,7 +237,8 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
 
     ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per
     batch: a slow training step), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
-    ``kill_epoch``, default 1), anything else goes to ``coordl.DataLoader``.
+    ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), anything else goes to
+    ``coordl.DataLoader``.
     """
     _debuggable()
     os.setsid()  # its own process group: a test can kill it with its workers
@@ -247,6 +249,9 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
                          decode_delay_s=options.pop("decode_delay_s", 0.0))
     step_s, kill_after = options.pop("step_s", 0.0), options.pop("kill_self_after", 0)
     kill_epoch = options.pop("kill_epoch", 1)
+    max_open_files = options.pop("max_open_files", None)
+    if max_open_files:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
     if ready is not None:
         ready.set()
     if start is not None:

@@ -1,8 +1,10 @@
 """Pure parts of coordinated prep: epoch plans and the staged-batch encoding."""
 
+import gc
 import mmap
 import os
 import secrets
+import weakref
 
 import numpy as np
 import pytest
@@ -51,6 +53,20 @@ def test_staged_batches_keep_structure_dtypes_and_values(mapped, monkeypatch):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert out[6]["names"] == ["a", "b"] and out[6]["none"] is None and out[6]["x"] == 1.5
     assert isinstance(out[6][3], np.ndarray) and np.array_equal(out[6][3], batch[6][3])
+
+
+def test_an_encoded_batch_holds_its_arrays_only_while_referenced():
+    """No reference cycle keeps a batch's memory (for torch's worker tensors: shared memory and a descriptor
+    each) until the garbage collector runs."""
+    images = np.ones((2, 3), np.float32)  # the tensor made from it holds a reference to it
+    gone = weakref.ref(images)
+    gc.disable()
+    try:
+        encoded = _batch_codec.encode({"images": images, "labels": [torch.arange(2)]})
+        del images, encoded
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_unsupported_batches_and_foreign_segments_are_refused():

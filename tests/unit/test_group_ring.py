@@ -1,0 +1,343 @@
+"""The staging ring's state machine, driven step by step on anonymous memory (no /dev/shm, no processes)."""
+
+import itertools
+import mmap
+import random
+
+import numpy as np
+import pytest
+
+from coordl import _group_state
+from coordl._constants import STAGING_SLOTS
+from coordl._group_state import (_H_CAPACITY, _H_EPOCH, _H_PEAK_BYTES, _H_STAGED_BYTES, _M_EXPECT, _M_PID,
+                                 _R_BATCH, _R_EPOCH, _R_NBYTES, _R_SEQ, _R_STATE, _READY, _WRITING, ALONE, NOT_MINE,
+                                 GroupState, segment_size, staged_name)
+
+GROUP = "cdl_0123456789ab_group"
+
+
+class _Memory:
+    """What GroupState uses of a Segment (``buf``, ``name``, ``size``), over anonymous memory (or ``buf``)."""
+
+    def __init__(self, n_batches: int, buf=None):
+        self.size = segment_size(n_batches)
+        self.buf = mmap.mmap(-1, self.size) if buf is None else buf
+        self.name = GROUP
+
+
+@pytest.fixture
+def unlinked(monkeypatch) -> list[str]:
+    """Names of the staged segments the state machine removes (nothing is created, so nothing is removed)."""
+    names = []
+    monkeypatch.setattr(_group_state, "unlink_segment", names.append)
+    return names
+
+
+def _group(n_batches: int, members: int, capacity: int = 1 << 30, expected: int = 1) -> GroupState:
+    """A group whose ``members`` slots are registered (pids 1000, 1001, ...), before its first epoch."""
+    memory = _Memory(n_batches)
+    GroupState.initialize(memory, n_batches=n_batches, capacity=capacity, seed=1, label="test", config=b"{}",
+                          creator_pid=1000)
+    state = GroupState(memory)
+    for slot in range(members):
+        state.members[slot, _M_PID], state.members[slot, _M_EXPECT] = 1000 + slot, expected
+    return state
+
+
+def _seal(state: GroupState, slots) -> int:
+    for slot in slots:
+        epoch = state.arrive(slot)
+    state.try_seal(timeout_s=60)
+    assert all(state.epoch_of(slot)[0] == epoch for slot in slots)
+    return epoch
+
+
+def _row(state: GroupState, batch: int) -> tuple[int, int, int, int]:
+    entry = state.ring[batch % STAGING_SLOTS]
+    return int(entry[_R_BATCH]), int(entry[_R_EPOCH]), int(entry[_R_STATE]), int(entry[_R_SEQ])
+
+
+class _Member:
+    """One member's producer and consumer, each step one call into the state as its threads would make it.
+
+    ``got`` lists the batches its consumer took, in order. The producer reserves and commits in two steps,
+    so other members act while its batch is being written.
+    """
+
+    def __init__(self, state: GroupState, slot: int, epoch: int, nbytes: int):
+        self.state, self.slot, self.epoch, self.nbytes = state, slot, epoch, nbytes
+        self.published, self.writing, self.got = set(), None, []
+
+    @property
+    def done(self) -> bool:
+        return len(self.got) == len(self.state.owners)
+
+    def produce(self) -> None:
+        if self.writing is not None:
+            (batch, seq), self.writing = self.writing, None
+            if self.state.commit(self.slot, self.epoch, batch, seq):
+                self.published.add(batch)
+            return
+        todo = [b for b in self.state.batches_of(self.slot) if b not in self.published]
+        if todo:
+            seq = self.state.reserve(self.slot, self.epoch, todo[0], self.nbytes)
+            if seq == ALONE:
+                self.published.add(todo[0])
+            elif seq not in (None, NOT_MINE):
+                self.writing = (todo[0], seq)
+
+    def consume(self) -> None:
+        batch = len(self.got)
+        if self.done:
+            return
+        if self.state.owner(batch) == self.slot:
+            if batch not in self.published:
+                return
+        else:
+            seq = self.state.staged(self.epoch, batch)
+            if seq is None or not self.state.holds(self.epoch, batch, seq):
+                return
+            self.state.release(self.slot, self.epoch, batch, seq)
+        self.got.append(batch)
+        self.state.set_cursor(self.slot, batch + 1)
+        if self.done:
+            self.state.finish(self.slot)
+
+
+def _run(members: list[_Member], rng: random.Random, steps: int = 200_000, until=None) -> None:
+    """Random steps of random members until all are done (or ``until()``); fails on a stall. After each step
+    the staged bytes are those of the rows in use."""
+    state = members[0].state
+    for _ in range(steps):
+        if until() if until else all(m.done for m in members):
+            return
+        member = rng.choice(members)
+        member.produce() if rng.random() < 0.5 else member.consume()
+        assert state.header[_H_STAGED_BYTES] == state.ring[:, _R_NBYTES].sum()
+    raise AssertionError(f"stalled: members at {[len(m.got) for m in members]}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_member_gets_every_batch_once_within_the_capacity_and_the_ring_empties(seed, unlinked):
+    n, nbytes, capacity = 3 * STAGING_SLOTS + 5, 100, 1000  # the ring wraps three times; 10 batches fit
+    state = _group(n, 3, capacity)
+    rng = random.Random(seed)
+    for _ in range(2):
+        epoch = _seal(state, range(3))
+        members = [_Member(state, slot, epoch, nbytes) for slot in range(3)]
+        _run(members, rng)
+        assert all(m.got == list(range(n)) for m in members)
+        assert state.header[_H_STAGED_BYTES] == 0 and not np.any(state.ring[:, _R_STATE])
+        assert sum(len(m.published) for m in members) == n  # each batch prepared once
+    assert capacity < state.header[_H_PEAK_BYTES] <= capacity + nbytes
+    assert len(set(unlinked)) == len(unlinked) == 2 * n  # every staged batch's segment removed, once
+
+
+def test_the_batch_the_slowest_member_needs_is_admitted_beyond_the_capacity(unlinked):
+    nbytes = 100
+    state = _group(10, 2, capacity=2 * nbytes)
+    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches, slot 1 the odd ones
+    staged = {b: state.reserve(0, epoch, b, nbytes) for b in (0, 2)}
+    assert all(state.commit(0, epoch, b, seq) for b, seq in staged.items())
+    assert state.reserve(0, epoch, 4, nbytes) is None  # the capacity is full
+    state.set_cursor(0, 1)  # both members used batch 0 (its producer's bit is set): its row is freed
+    state.set_cursor(1, 1)
+    state.release(1, epoch, 0, staged[0])
+    assert state.header[_H_STAGED_BYTES] == nbytes
+    assert state.commit(0, epoch, 4, state.reserve(0, epoch, 4, nbytes))  # full again, with batches 2 and 4
+    assert state.reserve(1, epoch, 3, nbytes) is None  # nobody needs batch 3 yet: it waits for room
+    assert state.reserve(1, epoch, 1, nbytes) > 0  # both wait for batch 1: admitted beyond the capacity
+    assert state.header[_H_STAGED_BYTES] == 3 * nbytes == state.header[_H_CAPACITY] + nbytes
+    assert state.reserve(0, epoch, 1, nbytes) == NOT_MINE  # not slot 0's batch
+
+
+def test_a_batch_waits_for_its_ring_row_while_the_slowest_member_has_not_used_batch_b_minus_64(unlinked):
+    n = STAGING_SLOTS + 2
+    state = _group(n, 2)
+    epoch = _seal(state, [0, 1])
+    seq = state.reserve(0, epoch, 0, 1)
+    assert state.commit(0, epoch, 0, seq)
+    state.set_cursor(0, STAGING_SLOTS)
+    assert state.reserve(0, epoch, STAGING_SLOTS, 1) is None  # slot 1 has not used batch 0: row 0 is taken
+    state.set_cursor(1, 1)
+    state.release(1, epoch, 0, seq)  # slot 1 uses batch 0: the row is freed
+    assert unlinked == [staged_name(GROUP, seq)] and state.reserve(0, epoch, STAGING_SLOTS, 1) > seq
+
+
+def test_a_member_failing_while_writing_loses_its_row_and_the_survivors_share_its_batches(unlinked):
+    n, nbytes = 2 * STAGING_SLOTS, 10
+    state = _group(n, 3)
+    epoch = _seal(state, range(3))
+    members = [_Member(state, slot, epoch, nbytes) for slot in range(3)]
+    victim, survivors = members[1], [members[0], members[2]]
+    rng = random.Random(7)
+    _run(members, rng, until=lambda: victim.writing is not None and len(victim.got) > 3)
+    batch, seq = victim.writing
+    assert _row(state, batch)[2:] == (_WRITING, seq)
+    staged_before = int(state.header[_H_STAGED_BYTES])
+
+    state.fail(victim.slot, "died")
+    assert staged_name(GROUP, seq) in unlinked and _row(state, batch)[0] == -1  # its row is reclaimed
+    assert state.header[_H_STAGED_BYTES] <= staged_before - nbytes  # and rows only the victim had not used
+    assert state.owner(batch) in (0, 2)
+    theirs = [state.batches_of(s.slot) for s in survivors]
+    assert sorted(theirs[0] + theirs[1] + sorted(victim.published)) == list(range(n))
+    assert not state.commit(victim.slot, epoch, batch, seq)  # the victim's late commit is refused
+    assert state.reserve(victim.slot, epoch, batch, nbytes) == NOT_MINE
+
+    _run(survivors, rng)
+    assert all(s.got == list(range(n)) for s in survivors)
+    assert state.header[_H_STAGED_BYTES] == 0 and not np.any(state.ring[:, _R_STATE])
+
+
+def test_the_last_member_left_stages_nothing(unlinked):
+    state = _group(8, 2)
+    epoch = _seal(state, [0, 1])
+    assert state.reserve(0, epoch, 0, 10) > 0
+    state.fail(1, "left")
+    assert state.reserve(0, epoch, 2, 10) == ALONE and state.batches_of(0) == list(range(8))
+
+
+def test_the_next_epoch_waits_for_the_last_ones_members_until_they_arrive_or_stay_away(unlinked):
+    state = _group(4, 3)
+    epoch = _seal(state, range(3))
+    state.set_cursor(0, 4)
+    state.finish(0)
+    assert state.arrive(0) == epoch + 1
+    state.try_seal(timeout_s=60)
+    assert state.epoch_of(0)[0] == epoch and state.awaited(60) == ([1001, 1002], [])  # still consuming
+    state.finish(1)
+    state.fail(2, "left")
+    state.try_seal(timeout_s=60)
+    assert state.epoch_of(0)[0] == epoch and state.awaited(60) == ([], [1001])  # finished: may come back
+    state.try_seal(timeout_s=0)  # slot 1 did not come back within the timeout: it joins the epoch after
+    assert state.epoch_of(0) == (epoch + 1, epoch + 1, 1) and state.batches_of(0) == [0, 1, 2, 3]
+
+
+# -- the lock-free poll against every interleaving of a row's reuse -----------------------------------
+
+
+class _Recorder:
+    """A ring (numpy array) that records, in order, the stores its users make: ``(ring index, value)``."""
+
+    def __init__(self, ring: np.ndarray):
+        self.ring, self.stores = ring, []
+
+    def __getitem__(self, key):
+        return _RecordedRow(self, int(key)) if isinstance(key, (int, np.integer)) else self.ring[key]
+
+    def __setitem__(self, key, value):
+        self.ring[key] = value
+        self.stores.append((key, np.copy(self.ring[key])))
+
+
+class _RecordedRow:
+    def __init__(self, recorder: _Recorder, row: int):
+        self.recorder, self.row = recorder, row
+
+    def __getitem__(self, key):
+        return self.recorder.ring[self.row][key]
+
+    def __setitem__(self, key, value):
+        self.recorder[self.row, key] = value
+
+
+class _Paused:
+    """A ring (numpy array) whose every load, whatever its shape, first calls ``before_load(i)`` (i = 0, 1, ...)."""
+
+    def __init__(self, ring: np.ndarray, before_load):
+        self.ring, self.before_load, self.loads = ring, before_load, 0
+
+    def __getitem__(self, key):
+        return _PausedRow(self, int(key)) if isinstance(key, (int, np.integer)) else self.load(key)
+
+    def load(self, key):
+        self.before_load(self.loads)
+        self.loads += 1
+        return np.copy(self.ring[key])
+
+
+class _PausedRow:
+    def __init__(self, paused: _Paused, row: int):
+        self.paused, self.row = paused, row
+
+    def __getitem__(self, key):
+        return self.paused.load((self.row, key))
+
+
+def _reuse(state: GroupState, epoch: int, batch: int) -> None:
+    """The writers' side, each step under the lock: batch ``batch``'s last user releases it, and batch
+    ``batch + STAGING_SLOTS`` takes its row and is published."""
+    state.set_cursor(1, batch + 1)
+    state.release(1, epoch, batch, _row(state, batch)[3])
+    state.set_cursor(0, batch + 1)
+    seq = state.reserve(0, epoch, batch + STAGING_SLOTS, 10)
+    assert state.commit(0, epoch, batch + STAGING_SLOTS, seq)
+
+
+def _row_stores(state: GroupState, steps, row: int) -> list[tuple]:
+    """The stores that ``steps(state)`` makes to ring row ``row``, in order."""
+    recorder = _Recorder(state.ring)
+    state.ring = recorder
+    try:
+        steps(state)
+    finally:
+        state.ring = recorder.ring
+    return [(key, value) for key, value in recorder.stores if key[0] == row]
+
+
+def test_a_poll_never_takes_a_reused_rows_half_written_occupant(unlinked):
+    """A consumer polls batch b (or b + 64) without the lock while b's row is freed and reused by b + 64.
+    For every interleaving of the writers' stores (in program order, as x86-64 shows them to other cores)
+    with the poll's loads, the poll gives None or a seq that the row held, ready, for the polled batch at
+    some instant between its first and last load."""
+    batch, loads = 3, 4
+    state = _group(2 * STAGING_SLOTS, 2)
+    epoch = _seal(state, [0, 1])
+    state.owners[batch] = state.owners[batch + STAGING_SLOTS] = 0  # slot 0 prepares both
+    seq = state.reserve(0, epoch, batch, 10)
+    assert state.commit(0, epoch, batch, seq)
+    start = bytes(state._buf)
+    stores = _row_stores(state, lambda s: _reuse(s, epoch, batch), batch % STAGING_SLOTS)
+
+    state._buf[:] = start
+    row_at = [_row(state, batch)]  # the row after each prefix of the stores
+    for key, value in stores:
+        state.ring[key] = value
+        row_at.append(_row(state, batch))
+    assert row_at[0] == (batch, epoch, _READY, seq) and row_at[-1][:3] == (batch + STAGING_SLOTS, epoch, _READY)
+
+    reader = GroupState(_Memory(len(state.owners), state._buf))  # another process's view of the segment
+    for polled in (batch, batch + STAGING_SLOTS):
+        # cuts[i]: how many stores are visible at the poll's load i; later loads see no more.
+        for cuts in itertools.combinations_with_replacement(range(len(stores) + 1), loads):
+            state._buf[:] = start
+            visible = [0]
+
+            def before_load(i, cuts=cuts, visible=visible):
+                for key, value in stores[visible[0]:cuts[min(i, loads - 1)]]:
+                    state.ring[key] = value
+                visible[0] = max(visible[0], cuts[min(i, loads - 1)])
+
+            reader.ring = _Paused(state.ring, before_load)
+            got = reader.staged(epoch, polled)
+            held = row_at[cuts[0]:visible[0] + 1]
+            assert got is None or (polled, epoch, _READY, got) in held, f"poll of batch {polled} with {cuts}: {got}"
+
+
+def test_a_consumer_confirms_a_poll_under_the_lock(unlinked):
+    batch = 3
+    state = _group(2 * STAGING_SLOTS, 2)
+    epoch = _seal(state, [0, 1])
+    state.owners[batch] = state.owners[batch + STAGING_SLOTS] = 0
+    old = state.reserve(0, epoch, batch, 10)
+    assert not state.holds(epoch, batch, old)  # being written
+    assert state.commit(0, epoch, batch, old) and state.holds(epoch, batch, old)
+    state.set_cursor(1, batch + 1)
+    state.release(1, epoch, batch, old)
+    state.set_cursor(0, batch + 1)
+    new = state.reserve(0, epoch, batch + STAGING_SLOTS, 10)
+    assert not state.holds(epoch, batch, old) and not state.holds(epoch, batch + STAGING_SLOTS, old)
+    assert not state.holds(epoch, batch + STAGING_SLOTS, new)  # reserved, not yet published
+    assert state.commit(0, epoch, batch + STAGING_SLOTS, new) and state.holds(epoch, batch + STAGING_SLOTS, new)
+    assert not state.holds(epoch + 1, batch + STAGING_SLOTS, new)
