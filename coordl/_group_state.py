@@ -1,10 +1,12 @@
 """The shared state of an hp_group: its segment layout and every change to it, made with the lock held.
 
 NOTE [ Group layout ]
-One segment ``/dev/shm/cdl_<token>_group`` (token = sha256(uid, group name)) holds, in order:
-  * header (4 KiB): int64 fields ``_H_*``, the group name and the members' agreed settings (JSON);
-  * members (``MAX_GROUP_MEMBERS`` rows of int64 ``_M_*``): pid and start ticks, the epoch it waits
-    for, the epoch it is in, its cursor (next batch it will consume), counters;
+One segment ``cdl_<token>_group`` (token = sha256(uid, group name, layout version)) holds, in order:
+  * header (4 KiB): int64 fields ``_H_*``, the group name, the members' agreed settings (JSON) and the
+    mutex holder (``_shm.LOCK_INFO_AT``);
+  * members (``MAX_GROUP_MEMBERS`` rows of int64 ``_M_*``): pid and join time (member ``i`` holds
+    liveness slot ``i``), the epoch it waits for, the epoch it is in, its cursor (next batch it will
+    consume), counters;
   * staging ring (``STAGING_SLOTS`` rows of int64 ``_R_*``): batch ``b`` of the current epoch occupies
     row ``b % STAGING_SLOTS`` while staged: its segment's sequence number, size, state, use mask and the
     row's version (NOTE [ Ring rows ]);

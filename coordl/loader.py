@@ -297,13 +297,13 @@ class DataLoader(torch.utils.data.DataLoader):
             self._last_pass = weakref.ref(inner)
             return _EpochIterator(self, inner, epoch, counters)
         ticket = self._group.start_epoch()
-        epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
-        group_counters.members = ticket.members
-        plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self._share_shuffled(),
-                          self._group.seed, ticket.epoch)
-        generation, mine = self._group.share_of_mine()  # read once: the producer must pair the same ids
-        self._share.batches = [plan[b] for b in mine]
         try:
+            epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
+            group_counters.members = ticket.members
+            plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self._share_shuffled(),
+                              self._group.seed, ticket.epoch)
+            generation, mine = self._group.share_of_mine()  # read once: the producer must pair the same ids
+            self._share.batches = [plan[b] for b in mine]
             if self._dali is not None:  # this job's share through its DALI pipeline, takeovers through twins
                 seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
                 share = self._dali.epoch(self._share.batches, seed)

@@ -9,7 +9,7 @@ import pytest
 
 from coordl import _group_state
 from coordl._constants import STAGING_SLOTS
-from coordl._group_state import (_H_CAPACITY, _H_EPOCH, _H_PEAK_BYTES, _H_STAGED_BYTES, _M_EXPECT, _M_PID,
+from coordl._group_state import (_H_CAPACITY, _H_PEAK_BYTES, _H_STAGED_BYTES, _M_EXPECT, _M_PID,
                                  _R_BATCH, _R_EPOCH, _R_NBYTES, _R_SEQ, _R_STATE, _READY, _WRITING, ALONE, NOT_MINE,
                                  GroupState, segment_size, staged_name)
 
