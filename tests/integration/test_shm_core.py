@@ -357,7 +357,7 @@ def _huge_files(tmp_path, n=3) -> list[str]:
 
 def test_the_size_an_error_suggests_fits(tmp_path, small_shm):
     small_shm("8m")
-    dataset = coordl.FileDataset(_huge_files(tmp_path), decode="bytes")
+    dataset = coordl.FileDataset(_huge_files(tmp_path, n=1) * 200_000, decode="bytes")  # an index of 3.8 MiB
     with pytest.raises(coordl.ShmCapacityError) as raised:
         coordl.DataLoader(dataset, cache_bytes="1GiB")
     message = str(raised.value)
