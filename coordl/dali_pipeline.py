@@ -11,6 +11,7 @@ This module imports DALI; :func:`require_dali` says how to install it when it is
 
 import collections
 import concurrent.futures
+import hashlib
 import importlib.util
 import io
 import warnings
@@ -232,6 +233,52 @@ class DaliBackend:
                 return SampleError(f"cannot decode sample {index} ({key}, {len(raw)} bytes): {e} "
                                    f"(DALI: {' '.join(first[2:6]) if len(first) > 2 else error})")
         return error
+
+
+class DaliFeed:
+    """A loader's DALI pipeline as its feed (see ``epoch_ledger`` NOTE [ Feeds ]): each pass, torch's plan
+    through the pipeline, batch by batch.
+
+    Lifecycle: :meth:`close` drops the pipeline.
+    """
+
+    counters = None
+
+    def __init__(self, backend: DaliBackend):
+        self.backend = backend
+        self._epoch: DaliEpoch | None = None
+        self._plan: list[list[int]] = []
+        self._next = 0
+        self._passes = 0
+
+    def begin(self, batches) -> list[list[int]]:
+        """Start the pipeline on torch's plan (drawn here, as torch's iterator draws it)."""
+        self._plan, self._next = [list(b) for b in batches], 0
+        self._passes += 1
+        first = self._plan[0] if self._plan else []
+        seed = int.from_bytes(hashlib.sha256(f"{self._passes}:{first}".encode()).digest()[:8], "little") >> 1
+        self._epoch = self.backend.epoch(self._plan, seed)
+        return self._plan
+
+    def take(self, indices) -> Any:
+        """The pipeline's next batch, which must be the one planned as ``indices``."""
+        k = self._next
+        if self._epoch is None or k >= len(self._plan) or list(indices) != self._plan[k]:
+            raise RuntimeError(f"backend='dali': asked for a batch of indices {list(indices)[:8]}... that is not the "
+                               f"pipeline's next batch ({k} of {len(self._plan)}); the DALI backend serves its "
+                               f"batch sampler's batches in order and whole, in the training process "
+                               f"(num_workers=0 in a DataLoader built from this loader's parts)")
+        self._next = k + 1
+        return next(self._epoch)
+
+    def end(self, complete: bool) -> None:
+        self._epoch = None  # an unfinished epoch's queued batches are dropped by the next one
+
+    def stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 class DaliEpoch:

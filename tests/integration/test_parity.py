@@ -33,7 +33,7 @@ def _run(loader_cls, dataset, epochs, make_kwargs, set_epoch=None):
         out.append(list(loader))
     if isinstance(loader, coordl.DataLoader):
         loader.close()
-        if loader.dataset.cache is not None:
+        if getattr(loader.dataset, "cache", None) is not None:
             assert all(e.hits > 0 for e in loader.stats().epochs[1:]), "the cache served nothing"
     return out
 
