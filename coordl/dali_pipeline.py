@@ -250,6 +250,7 @@ class DaliFeed:
         self._plan: list[list[int]] = []
         self._next = 0
         self._passes = 0
+        self._skipped = False
 
     def begin(self, batches) -> list[list[int]]:
         """Start the pipeline on torch's plan (drawn here, as torch's iterator draws it)."""
@@ -261,13 +262,26 @@ class DaliFeed:
         return self._plan
 
     def take(self, indices) -> Any:
-        """The pipeline's next batch, which must be the one planned as ``indices``."""
-        k = self._next
-        if self._epoch is None or k >= len(self._plan) or list(indices) != self._plan[k]:
-            raise RuntimeError(f"backend='dali': asked for a batch of indices {list(indices)[:8]}... that is not the "
-                               f"pipeline's next batch ({k} of {len(self._plan)}); the DALI backend serves its "
-                               f"batch sampler's batches in order and whole, in the training process "
+        """The pipeline's batch planned as ``indices``: the next one, or a later one when a sampler wrapper
+        takes only some of the plan's batches (Accelerate's shard of several processes), in which case the
+        batches it skipped are decoded and dropped (said once: a ``DistributedSampler`` avoids the waste)."""
+        indices = list(indices)
+        try:
+            k = self._plan.index(indices, self._next) if self._epoch is not None else -1
+        except ValueError:
+            k = -1
+        if k < 0:
+            raise RuntimeError(f"backend='dali': asked for a batch of indices {indices[:8]}... that is not among the "
+                               f"pipeline's coming batches ({self._next} of {len(self._plan)} served); the DALI "
+                               f"backend serves its batch sampler's batches in order, in the training process "
                                f"(num_workers=0 in a DataLoader built from this loader's parts)")
+        if k > self._next and not self._skipped:
+            self._skipped = True
+            warnings.warn("backend='dali': a wrapper of the batch sampler skips batches (e.g. Accelerate with several "
+                          "processes), which DALI decodes and drops; pass a DistributedSampler to the coordl "
+                          "DataLoader instead to prepare only this process's batches.", stacklevel=2)
+        for _ in range(k - self._next):
+            next(self._epoch)
         self._next = k + 1
         return next(self._epoch)
 
