@@ -20,6 +20,7 @@ from coordl.storage import Storage
 COUNTER_FIELDS = ("samples", "hits", "misses", "cache_bytes", "storage_bytes")
 """Per-sample counters: samples returned, cache hits, storage reads, bytes from cache, bytes from storage."""
 _SAMPLES, _HITS, _MISSES, _CACHE_BYTES, _STORAGE_BYTES = range(len(COUNTER_FIELDS))
+_ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
 
 
 class SampleCounters:
@@ -48,6 +49,26 @@ class SampleCounters:
         return dict(zip(COUNTER_FIELDS, (int(v) for v in self.table.sum(dim=0))))
 
 
+class PreparedBatch:
+    """A whole batch a feed prepared, on its way through torch's fetcher to :class:`PreparedCollate`."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch):
+        self.batch = batch
+
+
+class PreparedCollate:
+    """The collate function of a loader with a feed: a :class:`PreparedBatch` is already collated; anything
+    else goes to the user's ``collate_fn``."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, data):
+        return data.batch if isinstance(data, PreparedBatch) else self.collate_fn(data)
+
+
 class CachedDataset(torch.utils.data.Dataset):
     """Map-style dataset that fetches each sample's raw bytes from the cache or storage, then
     decodes and transforms them with the dataset's own code.
@@ -61,6 +82,10 @@ class CachedDataset(torch.utils.data.Dataset):
         counters: shared counters to record hits, misses and bytes in.
         fingerprint: (digest, total bytes) of the dataset's files, kept so that a loader
             re-created from this one (Lightning, Accelerate) does not stat every file again.
+
+    With a feed (``feed``, set by the loader: see ``epoch_ledger`` NOTE [ Feeds ]), ``__getitems__`` hands
+    out the feed's prepared batches instead of fetching samples. A feed lives in the training process:
+    a copy of the dataset in a worker process refuses to load rather than return undecoded samples.
     """
 
     def __init__(self, dataset, source: RawBytesDataset | None, cache: MinIOCache | None,
@@ -71,6 +96,16 @@ class CachedDataset(torch.utils.data.Dataset):
         self.storage = storage
         self.counters = counters
         self.fingerprint = fingerprint
+        self.feed = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["feed"] = _ELSEWHERE if self.feed is not None else None
+        return state
+
+    def unfed(self) -> "CachedDataset":
+        """The same fetch path without the feed: what prepares the feed's batches loads through it."""
+        return CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.fingerprint)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -121,6 +156,13 @@ class CachedDataset(torch.utils.data.Dataset):
             raise
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
+        if self.feed is not None:
+            if self.feed is _ELSEWHERE:
+                raise RuntimeError(
+                    "this coordl dataset's batches are prepared in the training process (backend='dali' or "
+                    "hp_group): build a DataLoader from it with num_workers=0, as the coordl loader's own "
+                    "num_workers attribute says; its preparation still runs on coordl's workers or threads")
+            return PreparedBatch(self.feed.take(indices))
         batched = getattr(self.dataset, "__getitems__", None)
         if self.source is None and batched:
             self.counters.row()[_SAMPLES] += len(indices)

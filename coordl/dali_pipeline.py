@@ -11,6 +11,7 @@ This module imports DALI; :func:`require_dali` says how to install it when it is
 
 import collections
 import concurrent.futures
+import hashlib
 import importlib.util
 import io
 import warnings
@@ -232,6 +233,66 @@ class DaliBackend:
                 return SampleError(f"cannot decode sample {index} ({key}, {len(raw)} bytes): {e} "
                                    f"(DALI: {' '.join(first[2:6]) if len(first) > 2 else error})")
         return error
+
+
+class DaliFeed:
+    """A loader's DALI pipeline as its feed (see ``epoch_ledger`` NOTE [ Feeds ]): each pass, torch's plan
+    through the pipeline, batch by batch.
+
+    Lifecycle: :meth:`close` drops the pipeline.
+    """
+
+    counters = None
+
+    def __init__(self, backend: DaliBackend):
+        self.backend = backend
+        self._epoch: DaliEpoch | None = None
+        self._plan: list[list[int]] = []
+        self._next = 0
+        self._passes = 0
+        self._skipped = False
+
+    def begin(self, batches) -> list[list[int]]:
+        """Start the pipeline on torch's plan (drawn here, as torch's iterator draws it)."""
+        self._plan, self._next = [list(b) for b in batches], 0
+        self._passes += 1
+        first = self._plan[0] if self._plan else []
+        seed = int.from_bytes(hashlib.sha256(f"{self._passes}:{first}".encode()).digest()[:8], "little") >> 1
+        self._epoch = self.backend.epoch(self._plan, seed)
+        return self._plan
+
+    def take(self, indices) -> Any:
+        """The pipeline's batch planned as ``indices``: the next one, or a later one when a sampler wrapper
+        takes only some of the plan's batches (Accelerate's shard of several processes), in which case the
+        batches it skipped are decoded and dropped (said once: a ``DistributedSampler`` avoids the waste)."""
+        indices = list(indices)
+        try:
+            k = self._plan.index(indices, self._next) if self._epoch is not None else -1
+        except ValueError:
+            k = -1
+        if k < 0:
+            raise RuntimeError(f"backend='dali': asked for a batch of indices {indices[:8]}... that is not among the "
+                               f"pipeline's coming batches ({self._next} of {len(self._plan)} served); the DALI "
+                               f"backend serves its batch sampler's batches in order, in the training process "
+                               f"(num_workers=0 in a DataLoader built from this loader's parts)")
+        if k > self._next and not self._skipped:
+            self._skipped = True
+            warnings.warn("backend='dali': a wrapper of the batch sampler skips batches (e.g. Accelerate with several "
+                          "processes), which DALI decodes and drops; pass a DistributedSampler to the coordl "
+                          "DataLoader instead to prepare only this process's batches.", stacklevel=2)
+        for _ in range(k - self._next):
+            next(self._epoch)
+        self._next = k + 1
+        return next(self._epoch)
+
+    def end(self, complete: bool) -> None:
+        self._epoch = None  # an unfinished epoch's queued batches are dropped by the next one
+
+    def stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 class DaliEpoch:

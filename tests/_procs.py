@@ -237,8 +237,9 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
 
     ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per
     batch: a slow training step), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
-    ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), anything else goes to
-    ``coordl.DataLoader``.
+    ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), ``via`` (``"parts"``: iterate
+    a plain torch DataLoader built from the loader's dataset, batch_sampler and collate_fn; ``"accelerate"``:
+    what ``Accelerator.prepare`` makes of it), anything else goes to ``coordl.DataLoader``.
     """
     _debuggable()
     os.setsid()  # its own process group: a test can kill it with its workers
@@ -249,7 +250,7 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
                          decode_delay_s=options.pop("decode_delay_s", 0.0))
     step_s, kill_after = options.pop("step_s", 0.0), options.pop("kill_self_after", 0)
     kill_epoch = options.pop("kill_epoch", 1)
-    max_open_files = options.pop("max_open_files", None)
+    max_open_files, via = options.pop("max_open_files", None), options.pop("via", None)
     if max_open_files:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
     if ready is not None:
@@ -257,10 +258,18 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     if start is not None:
         start.wait(JOIN_TIMEOUT)
     loader = coordl.DataLoader(dataset, hp_group=group, **{"batch_size": 4, "shuffle": True, **options})
+    batches_of = loader
+    if via == "parts":
+        import torch.utils.data
+        batches_of = torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
+                                                 collate_fn=loader.collate_fn, num_workers=loader.num_workers)
+    elif via == "accelerate":
+        from accelerate import Accelerator
+        batches_of = Accelerator(cpu=True).prepare(loader)
     seen = []
     for epoch in range(1, epochs + 1):
         batches = []
-        for k, (index, draw, _) in enumerate(loader):
+        for k, (index, draw, _) in enumerate(batches_of):
             batches.append((index.tolist(), draw.tolist()))
             if progress is not None:
                 progress.set()

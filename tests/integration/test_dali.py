@@ -235,7 +235,7 @@ def test_auto_picks_dali_when_it_can_and_transforms_are_said_to_be_replaced(imag
     loader.close()
 
     plain = coordl.DataLoader(list(range(10)), batch_size=4, backend="auto", cache_bytes=0)
-    assert plain._dali is None and [b.tolist() for b in plain][0] == [0, 1, 2, 3]
+    assert plain.epoch_ledger.feed is None and [b.tolist() for b in plain][0] == [0, 1, 2, 3]
 
 
 def test_bad_backend_settings_are_refused(image_root):
@@ -262,7 +262,7 @@ try:
 except ImportError as e:
     print("ERROR:", e)
 loader = coordl.DataLoader(torchvision.datasets.ImageFolder({image_root!r}), backend="auto", cache_bytes=0)
-print("AUTO:", loader._dali is None)
+print("AUTO:", loader.epoch_ledger.feed is None)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "ERROR: backend='dali' needs NVIDIA DALI" in done.stdout and "pip install" in done.stdout, done.stderr

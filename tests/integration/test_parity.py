@@ -33,7 +33,7 @@ def _run(loader_cls, dataset, epochs, make_kwargs, set_epoch=None):
         out.append(list(loader))
     if isinstance(loader, coordl.DataLoader):
         loader.close()
-        if loader.dataset.cache is not None:
+        if getattr(loader.dataset, "cache", None) is not None:
             assert all(e.hits > 0 for e in loader.stats().epochs[1:]), "the cache served nothing"
     return out
 
@@ -85,7 +85,8 @@ def test_same_batches_as_torch_with_a_cached_image_folder(image_root, case, num_
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_same_batches_as_torch_for_a_dataset_coordl_cannot_cache(num_workers):
+def test_same_batches_as_torch_for_a_dataset_coordl_cannot_cache(num_workers, monkeypatch):
+    monkeypatch.setattr(coordl.cache_setup, "_warned", set())  # it warns once per process and dataset type
     dataset = tud.TensorDataset(torch.arange(50), torch.randn(50, 3))
 
     def kwargs():

@@ -1,0 +1,111 @@
+"""A loader's fetch path: the user's dataset behind the cache of its files, named and sized.
+
+What ``coordl.DataLoader`` builds before torch sees the dataset: the raw-bytes view of the dataset,
+the identity (fingerprint, name) and size of its node-wide cache, and the storage misses are read
+from. See minio_cache NOTE [ Sizing ] for how ``"auto"`` grows.
+"""
+
+import getpass
+import logging
+import os
+import warnings
+
+import torch.utils.data
+
+from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FRACTION
+from coordl._shm import free_shm_bytes, shm_dir, total_shm_bytes
+from coordl._sizes import format_bytes
+from coordl._sysinfo import available_memory_bytes
+from coordl.cached_dataset import CachedDataset, SampleCounters
+from coordl.minio_cache import MinIOCache, cache_segment_name, index_bytes
+from coordl.raw_datasets import fingerprint_files, raw_source
+from coordl.storage import FileStorage
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERIFY = ("stat", "content")
+_warned: set = set()
+
+
+def auto_capacity(dataset_bytes: int, n_items: int) -> tuple[int, int]:
+    """``cache_bytes="auto"``: (capacity, bytes of the shm file system a growing cache keeps free).
+
+    The least of the dataset, a share of available memory, and what the shm file system has free
+    beside the cache's index and the bytes kept free (a share of its size, for other jobs and for
+    torch's worker-to-main batches until the loader has measured them). 0 when nothing fits.
+    """
+    memory, free, index = available_memory_bytes(), free_shm_bytes(), index_bytes(n_items)
+    keep = int(AUTO_CACHE_SHM_KEEP_FRACTION * total_shm_bytes())
+    capacity = max(0, int(min(dataset_bytes, AUTO_CACHE_MEMORY_FRACTION * memory, free - index - keep)))
+    logger.info("Because cache_bytes was not given, using %s: the least of the dataset (%s), %d%% of available "
+                "memory (%s) and the free space of %s (%s) less the cache's index (%s) and %s kept free for other "
+                "jobs and torch's in-flight batches.", format_bytes(capacity), format_bytes(dataset_bytes),
+                AUTO_CACHE_MEMORY_FRACTION * 100, format_bytes(memory), shm_dir(), format_bytes(free),
+                format_bytes(index), format_bytes(keep))
+    return capacity, keep
+
+
+def _warn_once(key, message: str) -> None:
+    """A configuration warning, once per process for each ``key`` (e.g. a dataset type)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=5)
+
+
+def wrap_dataset(dataset, *, capacity: int | None, cache_bytes, cache_name: str | None, cache_verify: str,
+                 drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None):
+    """The dataset torch will see: the user's dataset behind coordl's fetch path, or the user's dataset
+    itself when coordl cannot cache it (it then loads as with torch, and coordl says so once).
+
+    Args:
+        capacity: the cache's size in bytes, None for ``"auto"``, 0 for no cache (``cache_bytes`` as given,
+            for messages).
+        decode: whether samples are decoded by the dataset's own code (False: the DALI backend decodes).
+        storage: where misses are read from (a ``coordl.storage.Storage``). Defaults to local files.
+    """
+    fingerprint = None
+    if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
+        fingerprint, dataset = dataset.fingerprint, dataset.dataset
+    source, why = raw_source(dataset, decode=decode)
+    if source is None:
+        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        _warn_once(type(dataset), f"coordl cannot cache {type(dataset).__name__}: {why}. It is loaded uncached, as "
+                   f"torch would" + ("." if iterable else "; implement coordl.RawBytesDataset to cache it."))
+        return dataset
+    cache = None
+    if capacity != 0:
+        if fingerprint is None:
+            fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))],
+                                            content=cache_verify == "content")
+        cache = open_cache(source, fingerprint, capacity, cache_bytes=cache_bytes, cache_name=cache_name)
+    drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
+    return CachedDataset(dataset, source, cache, storage if storage is not None else FileStorage(drop_page_cache=drop),
+                         SampleCounters(num_workers + 1), fingerprint)
+
+
+def open_cache(source, fingerprint: tuple[bytes, int], capacity: int | None, *, cache_bytes,
+               cache_name: str | None) -> MinIOCache | None:
+    """The node's cache for ``source`` (attached now, so a full /dev/shm fails here), or None."""
+    digest, dataset_bytes = fingerprint
+    preallocate, keep = capacity is not None, 0
+    if capacity is None:
+        capacity, keep = auto_capacity(dataset_bytes, len(source))
+        if capacity == 0:
+            _warn_once(("no room", shm_dir()),
+                       f"coordl: {shm_dir()} has no room for a cache of this dataset ({format_bytes(free_shm_bytes())} "
+                       f"free, {format_bytes(index_bytes(len(source)))} needed for its index alone), so it loads "
+                       f"uncached. Enlarge it (docker: --shm-size) or pass cache_bytes=0 to silence this.")
+            return None
+    elif capacity > dataset_bytes:
+        logger.info("cache_bytes=%s exceeds the dataset (%s): using %s.", cache_bytes,
+                    format_bytes(dataset_bytes), format_bytes(dataset_bytes))
+        capacity = dataset_bytes
+    if capacity == 0:
+        return None
+    root = getattr(source, "dataset", source)
+    where = getattr(root, "root", None) or os.path.dirname(source.raw_key(0))  # not empty: capacity > 0
+    label = f"{cache_name or getpass.getuser()}: {len(source)} files in {where}"
+    cache = MinIOCache(cache_segment_name(cache_name or digest.hex()), n_items=len(source), capacity_bytes=capacity,
+                       fingerprint=digest, label=label, preallocate=preallocate, keep_free_bytes=keep)
+    cache.stats()
+    return cache

@@ -1,0 +1,134 @@
+"""A loader's epochs: when each starts and ends, what it did, and the feed of prepared batches it runs.
+
+Driven by the batch sampler's passes (see NOTE [ Behaviour in the carried-over objects ] in
+``batch_sampler``), so it keeps its books whether ``coordl.DataLoader`` iterates or a framework's plain
+torch DataLoader built from the loader's parts does. ``coordl.DataLoader``'s own iterator adds what only
+it can see: the time the training loop waits for each batch.
+
+NOTE [ Feeds ]
+With the DALI backend or in an hp_group, batches are not made by torch's fetcher from samples: a
+*feed* prepares whole batches (a DALI pipeline; the group's producer and staging area) in the training
+process. At the start of a pass the feed gets torch's plan (and may replace it: a group's plan is the
+group's); the dataset proxy's ``__getitems__(indices)`` then takes the feed's next batch, checks it is
+the one planned, and hands it to torch wrapped in :class:`~coordl.cached_dataset.PreparedBatch`, which
+the loader's collate function unwraps. A feed protocol: ``begin(batches) -> plan``, ``take(indices)``,
+``end(complete)``, ``counters`` (a ``GroupCounters`` or None), ``stats()`` (group state or None), ``close()``.
+"""
+
+import logging
+import time
+
+from coordl.cached_dataset import CachedDataset
+from coordl.stats import EpochStats, LoaderStats, add_epoch
+
+summary_logger = logging.getLogger("coordl")
+
+
+class _Running:
+    """The epoch in progress: its stats, the pass it belongs to, counter totals at its start, samples
+    handed to torch, and whether the plan ran out."""
+
+    def __init__(self, epoch: EpochStats, owner, counters, start: dict, group):
+        self.epoch, self.owner, self.counters, self.start, self.group = epoch, owner, counters, start, group
+        self.started = time.perf_counter()
+        self.yielded, self.exhausted = 0, False
+        self.timed = False  # coordl's own iterator times the training loop's waits
+
+
+class EpochLedger:
+    """Every epoch of one loader, and its feed (see NOTE [ Feeds ]).
+
+    Args:
+        dataset: the loader's dataset (a ``CachedDataset`` counts samples; another dataset counts nothing).
+        feed: the feed of prepared batches, or None (torch's fetcher makes the batches).
+        group: the hp_group's name, for the statistics, or None.
+        cache_stats: a function returning the cache's fill (or None).
+    """
+
+    def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None):
+        self.dataset, self.feed, self.group, self._cache_stats = dataset, feed, group, cache_stats
+        self.epochs: list[EpochStats] = []
+        self.current: _Running | None = None
+        self._group_stats = None
+
+    # -- driven by the batch sampler's passes --------------------------------------------------------
+
+    def begin(self, owner, batches):
+        """A pass starts: end the previous one (complete if its plan ran out), start an epoch; return the
+        pass's plan."""
+        self.end(complete=self.current is not None and self.current.exhausted)
+        counters = self.dataset.counters if isinstance(self.dataset, CachedDataset) else None
+        start = counters.totals() if counters else {}  # before the feed's producer starts fetching
+        epoch = EpochStats(epoch=len(self.epochs) + 1, group=self.group)
+        plan = batches
+        if self.feed is not None:
+            started = time.perf_counter()
+            plan = self.feed.begin(batches)
+            epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
+        self.current = _Running(epoch, owner, counters, start, self.feed.counters if self.feed is not None else None)
+        return plan
+
+    def planned(self, owner, batch) -> None:
+        """The pass handed torch ``batch`` (a list of indices, or one index when unbatched)."""
+        if self.current is not None and self.current.owner is owner:
+            self.current.epoch.batches += 1
+            self.current.yielded += len(batch) if isinstance(batch, list) else 1
+
+    def exhausted(self, owner) -> None:
+        """The pass's plan ran out. End the epoch once every sample handed out was fetched (with workers,
+        torch asks again after each batch it delivers); else the next pass or close() ends it."""
+        running = self.current
+        if running is None or running.owner is not owner:
+            return
+        running.exhausted = True
+        fetched = running.counters.totals()["samples"] - running.start["samples"] if running.counters else 0
+        if self.feed is not None or fetched >= running.yielded:
+            self.end(complete=True)
+
+    def take(self, indices):
+        """The feed's next batch, for the dataset proxy; the wait is stall unless coordl's iterator times it."""
+        started = time.perf_counter()
+        batch = self.feed.take(indices)
+        if self.current is not None and not self.current.timed:
+            self.current.epoch.stall_s += time.perf_counter() - started
+        return batch
+
+    def end(self, complete: bool, running: _Running | None = None) -> None:
+        """End the epoch in progress (only if it is ``running``, when given) and log its line."""
+        if running is None:
+            running = self.current
+        if running is None or running is not self.current:
+            return
+        self.current = None
+        if self.feed is not None:
+            self.feed.end(complete)
+        epoch = self._filled(running)
+        epoch.complete = complete
+        self.epochs.append(epoch)
+        summary_logger.info(epoch.summary_line(self._cache_stats()))
+
+    # -- what the loader reads -----------------------------------------------------------------------
+
+    def _filled(self, running: _Running) -> EpochStats:
+        epoch = EpochStats(**{**running.epoch.__dict__, "time_s": time.perf_counter() - running.started})
+        if running.counters is not None:
+            for field, value in running.counters.totals().items():
+                setattr(epoch, field, value - running.start[field])
+        else:  # a dataset coordl does not wrap: what was handed to torch
+            epoch.samples = running.yielded
+        epoch.decoded = epoch.samples
+        group = running.group
+        if group is not None:
+            epoch.members, epoch.samples = group.members, group.delivered_samples
+            epoch.prepared, epoch.shared, epoch.staging_wait_s = group.prepared, group.shared, group.staging_wait_s
+        return epoch
+
+    def stats(self) -> LoaderStats:
+        """Every finished epoch and the one in progress, their total, the cache's fill, the group's state."""
+        epochs = list(self.epochs) + ([self._filled(self.current)] if self.current is not None else [])
+        total = EpochStats(epoch=0, complete=all(e.complete for e in epochs), group=self.group)
+        for e in epochs:
+            add_epoch(total, e)
+        if self.feed is not None:
+            self._group_stats = self.feed.stats() or self._group_stats
+        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats(), group=self._group_stats)

@@ -1,0 +1,258 @@
+"""Every coordl feature survives a framework that rebuilds the loader from its parts.
+
+A plain ``torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
+collate_fn=loader.collate_fn, num_workers=loader.num_workers)``, what HF Accelerate's ``prepare`` makes
+(1 and 2 processes), and torch-suite behaviours a swapped-in loader must keep.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.utils.data as tud
+import torchvision
+
+import coordl
+from tests import _procs
+from tests._signals import FileEvent, FileQueue
+from tests.conftest import dataset_bytes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _from_parts(loader, **kwargs) -> tud.DataLoader:
+    """What a framework builds: a plain torch DataLoader from the loader's attributes."""
+    return tud.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn,
+                          num_workers=loader.num_workers, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_plain_loader_from_the_parts_keeps_cache_stats_and_summary_line(image_root, num_workers, caplog):
+    files = _files(image_root)
+    contents = {open(f, "rb").read(): i for i, f in enumerate(files)}
+    loader = coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), batch_size=8, shuffle=True,
+                               num_workers=num_workers, cache_bytes=dataset_bytes(image_root), collate_fn=list)
+    caplog.set_level(logging.INFO, logger="coordl")
+    plain = _from_parts(loader)
+    orders = []
+    for _ in range(2):
+        seen = [contents[bytes(b)] for batch in plain for b in batch]
+        assert sorted(seen) == list(range(len(files)))  # every sample once per epoch
+        orders.append(seen)
+    assert orders[0] != orders[1]  # a new order each epoch
+    first, second = loader.stats().epochs
+    assert (first.samples, first.hits, first.misses, first.complete) == (len(files), 0, len(files), True)
+    assert (second.samples, second.hits, second.misses, second.complete) == (len(files), len(files), 0, True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "coordl" and r.getMessage().startswith("epoch=")]
+    assert [line.split()[:2] for line in lines] == [["epoch=1", "complete=1"], ["epoch=2", "complete=1"]]
+    loader.close()
+
+
+def test_the_dali_backend_through_a_plain_loader_gives_its_own_batches(image_root):
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    options = dict(batch_size=8, backend="dali", cache_bytes=dataset_bytes(image_root))
+    with coordl.DataLoader(dataset, **options) as own, coordl.DataLoader(dataset, **options) as parts:
+        assert parts.num_workers == 0  # batches come whole from DALI, in the training process
+        expected = list(own)
+        got = list(_from_parts(parts))
+        assert len(got) == len(expected) == len(parts)
+        for (images, labels), (want_images, want_labels) in zip(got, expected):
+            assert images.shape == (8, 3, 224, 224) and torch.equal(labels, want_labels)
+            assert torch.equal(images, want_images)  # eval transform: deterministic
+        assert parts.stats().epochs[0].samples == len(dataset) and parts.stats().epochs[0].complete
+        with pytest.raises(RuntimeError, match="num_workers=0"):
+            next(iter(tud.DataLoader(parts.dataset, batch_sampler=parts.batch_sampler,
+                                     collate_fn=parts.collate_fn, num_workers=1)))
+
+
+def test_what_torch_users_read_from_a_loader_is_torchs(image_root):
+    class Handles(tud.Dataset):  # uncacheable: per-worker state set by worker_init_fn, as with DB handles
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.tensor([i, self.worker_tag])
+
+    def init(worker_id):
+        tud.get_worker_info().dataset.worker_tag = 100 + worker_id
+
+    dataset = Handles()
+    with pytest.warns(UserWarning, match="coordl cannot cache Handles"):
+        loader = coordl.DataLoader(dataset, batch_size=2, num_workers=2, worker_init_fn=init)
+    assert loader.dataset is dataset  # not a proxy: isinstance checks and attribute writes reach it
+    batches = list(loader)
+    assert sorted(int(b[0, 1]) for b in batches) == [100, 100, 101, 101]
+    iterator = iter(loader)
+    assert len(iterator._workers) == 2  # torch's iterator attributes are there
+    del iterator
+    loader.close()
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        coordl.DataLoader(Handles(), batch_size=2).close()
+    assert not [w for w in again if "cannot cache" in str(w.message)]  # once per process and dataset type
+    annotated = coordl.DataLoader[torch.Tensor]  # a module annotated `-> DataLoader[Batch]` imports
+    assert annotated is not None
+
+
+# -- HF Accelerate ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+    saved = dict(os.environ)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_accelerate_keeps_stats_summary_and_backend(image_root, backend, accelerate_state, caplog):
+    from accelerate import Accelerator
+    dataset = torchvision.datasets.ImageFolder(image_root, transform=torchvision.transforms.Compose(
+        [torchvision.transforms.Resize((32, 32)), torchvision.transforms.ToTensor()]) if backend == "torch" else None)
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, backend=backend,
+                               cache_bytes=dataset_bytes(image_root))
+    caplog.set_level(logging.INFO, logger="coordl")
+    prepared = Accelerator(cpu=True).prepare(loader)
+    for _ in range(2):
+        labels = [label for _, batch_labels in prepared for label in batch_labels.tolist()]
+        assert sorted(labels) == sorted(t for _, t in dataset.samples)
+    epochs = loader.stats().epochs
+    assert [(e.samples, e.complete) for e in epochs] == [(len(dataset), True)] * 2
+    assert epochs[1].hits == len(dataset)
+    assert sum(r.getMessage().startswith("epoch=") for r in caplog.records if r.name == "coordl") == 2
+    del prepared
+    loader.close()
+
+
+_TWO_RANKS = textwrap.dedent("""
+    import json, os, sys, coordl
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(sys.argv[1]) for f in fs)
+    loader = coordl.DataLoader(coordl.FileDataset(files, targets=list(range(len(files))), decode="bytes"),
+                               batch_size=4, shuffle=True, num_workers=int(sys.argv[3]),
+                               collate_fn=lambda items: [t for _, t in items], cache_bytes=10**9)
+    prepared = accelerator.prepare(loader)
+    seen = [[i for batch in prepared for i in batch] for _ in range(2)]
+    stats = loader.stats()
+    with open(os.path.join(sys.argv[2], f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump({"seen": seen, "epochs": [[e.samples, e.hits, e.misses] for e in stats.epochs[:2]],
+                   "users": stats.cache.users_alive}, f)
+    accelerator.wait_for_everyone()
+    loader.close()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_accelerate_with_two_processes_shares_one_cache(tmp_path, image_root, num_workers):
+    script = tmp_path / "train.py"
+    script.write_text(_TWO_RANKS)
+    # torchrun starts the processes; Accelerate takes its distributed set-up from their environment.
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), image_root, str(tmp_path), str(num_workers)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    n = len(_files(image_root))
+    for epoch in range(2):
+        a, b = (r["seen"][epoch] for r in ranks)
+        assert not set(a) & set(b) and sorted(a + b) == list(range(n))  # the ranks split every epoch
+    assert sum(r["epochs"][0][2] for r in ranks) == n  # epoch 1: every sample read once, by one rank
+    for r in ranks:  # epoch 2: one node-wide cache, filled by both ranks, serves each rank's new shard
+        samples, hits, misses = r["epochs"][1]
+        assert hits == samples and misses == 0
+
+
+# -- hp_group through the parts --------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["parts", "accelerate"])
+def test_an_hp_group_member_iterated_by_a_framework_still_shares(tmp_path, via):
+    root = str(tmp_path / "index-files")
+    n = 40
+    _procs.IndexFiles.write(root, n)
+    group, results, start = f"dropin-{os.getpid()}-{via}", FileQueue(tmp_path), FileEvent(tmp_path)
+    common = dict(hp_group_size=2, hp_group_timeout_s=30, cache_bytes=0)
+    procs = [_procs.spawn(_procs.hp_job, root, n, group, 2, results, options, start)
+             for options in (dict(common, via=via), dict(common, num_workers=1))]
+    start.set()
+    runs = [results.get(timeout=_procs.JOIN_TIMEOUT * 2) for _ in procs]
+    _procs.join_ok(*procs)
+    (_, seen_a, stats_a), (_, seen_b, stats_b) = runs
+    assert seen_a == seen_b  # the same batches, augmentation included
+    for _, batches in seen_a:
+        assert sorted(i for indices, _ in batches for i in indices) == list(range(n))
+    for e in range(2):
+        assert stats_a["epochs"][e]["members"] == stats_b["epochs"][e]["members"] == 2
+        assert stats_a["epochs"][e]["prepared"] + stats_b["epochs"][e]["prepared"] == n // 4  # each made once
+
+
+# -- Lightning, two processes ----------------------------------------------------------------------
+
+_LIGHTNING_DDP_SPAWN = textwrap.dedent("""
+    import json, os, sys, torch, torchvision, coordl
+    import pytorch_lightning as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3 * 8 * 8, 4)
+
+        def training_step(self, batch, batch_idx):
+            images, targets = batch
+            return torch.nn.functional.cross_entropy(self.layer(images.flatten(1)), targets)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            tf = torchvision.transforms.Compose([torchvision.transforms.Resize((8, 8)),
+                                                 torchvision.transforms.ToTensor()])
+            return coordl.DataLoader(torchvision.datasets.ImageFolder(sys.argv[1], transform=tf), batch_size=8,
+                                     shuffle=True, num_workers=1, cache_bytes=10**9)
+
+        def on_train_end(self):
+            loader = self.trainer.train_dataloader
+            with open(os.path.join(sys.argv[2], f"rank{self.global_rank}.json"), "w") as f:
+                json.dump({"type": type(loader).__name__, "sampler": type(loader.sampler).__name__,
+                           "epochs": [[e.samples, e.hits, e.misses] for e in loader.stats().epochs]}, f)
+
+    if __name__ == "__main__":
+        pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, enable_progress_bar=False,
+                   logger=False, enable_checkpointing=False, enable_model_summary=False,
+                   default_root_dir=sys.argv[2]).fit(Tiny())
+""")
+
+
+@pytest.mark.slow
+def test_lightning_ddp_spawn_with_two_processes_shares_one_cache(tmp_path, image_root):
+    script = tmp_path / "fit.py"
+    script.write_text(_LIGHTNING_DDP_SPAWN)
+    done = subprocess.run([sys.executable, str(script), image_root, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    n = len(_files(image_root))
+    for r in ranks:
+        assert (r["type"], r["sampler"]) == ("DataLoader", "DistributedSampler")  # re-created by Lightning
+    first = [r["epochs"][0] for r in ranks]
+    assert sum(samples for samples, _, _ in first) == n and sum(misses for _, _, misses in first) == n
+    for r in ranks:  # epoch 2: the node-wide cache both ranks filled serves each rank's new shard
+        samples, hits, misses = r["epochs"][1]
+        assert samples == n // 2 and hits == samples and misses == 0
