@@ -4,9 +4,11 @@ A dataset opts in to caching by implementing :class:`RawBytesDataset`: ``raw_key
 file holding sample ``i`` as stored, ``decode_raw(i, raw)`` turns those bytes into exactly what
 ``dataset[i]`` returns (decode, then the dataset's own random transforms, drawn afresh per call).
 coordl then reads and caches the raw bytes and never the decoded or augmented sample.
-torchvision ``DatasetFolder``/``ImageFolder`` are recognised as they are.
+torchvision ``DatasetFolder``/``ImageFolder`` are recognised as they are, and so are torch's
+``Subset`` (what ``random_split`` returns) and ``ConcatDataset`` of datasets coordl can cache.
 """
 
+import bisect
 import hashlib
 import io
 import os
@@ -124,16 +126,119 @@ class DatasetFolderSource:
         return self.dataset.samples[index][1]
 
 
+class _MappedSource:
+    """:class:`RawBytesDataset` view of a dataset whose samples are other datasets' samples.
+
+    Sample ``index`` is sample ``local`` of one of its parts, as :meth:`locate` says; its file,
+    bytes and label are that sample's.
+
+    Args:
+        dataset: the torch dataset viewed (its ``len`` is the view's).
+        parts: the views of the datasets it draws its samples from.
+    """
+
+    def __init__(self, dataset, parts: list[RawBytesDataset]):
+        self.dataset = dataset
+        self.parts = parts
+        self._labelled = all(_has_labels(part) for part in parts)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def locate(self, index: int) -> tuple[RawBytesDataset, Any]:
+        """(the part holding sample ``index``, its index there)."""
+        raise NotImplementedError
+
+    def raw_key(self, index: int) -> str:
+        part, local = self.locate(index)
+        return part.raw_key(local)
+
+    def decode_raw(self, index: int, raw: bytes) -> Any:
+        part, local = self.locate(index)
+        return part.decode_raw(local, raw)
+
+    @property
+    def dali_target(self) -> Callable[[int], Any]:
+        """The DALI backend's label reader: each part's ``dali_target`` or ``targets``.
+
+        Missing (``hasattr`` is False) where a part has neither, as for any dataset without labels.
+        """
+        if not self._labelled:
+            raise AttributeError(f"a part of this {type(self.dataset).__name__} has no dali_target(i) or targets")
+        return self._target
+
+    def _target(self, index: int) -> Any:
+        part, local = self.locate(index)
+        return part.dali_target(local) if hasattr(part, "dali_target") else part.targets[local]
+
+
+def _has_labels(source: RawBytesDataset) -> bool:
+    return hasattr(source, "dali_target") or getattr(source, "targets", None) is not None
+
+
+class SubsetSource(_MappedSource):
+    """:class:`RawBytesDataset` view of a ``torch.utils.data.Subset`` (what ``random_split`` returns):
+    sample ``i`` is sample ``indices[i]`` of the inner dataset."""
+
+    def locate(self, index: int) -> tuple[RawBytesDataset, Any]:
+        return self.parts[0], self.dataset.indices[index]
+
+
+class ConcatSource(_MappedSource):
+    """:class:`RawBytesDataset` view of a ``torch.utils.data.ConcatDataset``: its datasets' samples
+    one after the other."""
+
+    def locate(self, index: int) -> tuple[RawBytesDataset, int]:
+        ends = self.dataset.cumulative_sizes
+        part = bisect.bisect_right(ends, index)
+        return self.parts[part], index - (ends[part - 1] if part else 0)
+
+
+def _overridden(dataset, base: type, methods: tuple[str, ...]) -> str | None:
+    """The first of ``methods`` that ``dataset``'s class defines otherwise than ``base``, or None."""
+    for name in methods:
+        if getattr(type(dataset), name, None) is not getattr(base, name, None):
+            return name
+    return None
+
+
+def _subset_source(dataset, decode: bool) -> tuple[RawBytesDataset | None, str]:
+    if decode and (overridden := _overridden(dataset, torch.utils.data.Subset, ("__getitem__", "__getitems__"))):
+        return None, f"{type(dataset).__name__} overrides {overridden}"
+    inner, why = raw_source(dataset.dataset, decode)
+    if inner is None:
+        return None, f"its dataset ({type(dataset.dataset).__name__}) cannot be cached: {why}"
+    return SubsetSource(dataset, [inner]), ""
+
+
+def _concat_source(dataset, decode: bool) -> tuple[RawBytesDataset | None, str]:
+    if decode and (overridden := _overridden(dataset, torch.utils.data.ConcatDataset, ("__getitem__",))):
+        return None, f"{type(dataset).__name__} overrides {overridden}"
+    parts = []
+    for number, part in enumerate(dataset.datasets):
+        source, why = raw_source(part, decode)
+        if source is None:
+            return None, f"its part {number} ({type(part).__name__}) cannot be cached: {why}"
+        parts.append(source)
+    return ConcatSource(dataset, parts), ""
+
+
 def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, str]:
     """How coordl reads ``dataset``'s raw bytes: (source, "") or (None, why it cannot).
 
+    A ``Subset`` qualifies if its dataset does, a ``ConcatDataset`` if each of its datasets does.
     With ``decode=False`` (the DALI backend, which decodes itself) only the files matter, so any
-    ``DatasetFolder`` qualifies, whatever its loader.
+    ``DatasetFolder`` qualifies, whatever its loader, and overridden ``__getitem__`` methods do not
+    matter.
     """
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return None, "it is an IterableDataset (samples have no index to cache by)"
     if isinstance(dataset, RawBytesDataset):
         return dataset, ""
+    if isinstance(dataset, torch.utils.data.Subset):
+        return _subset_source(dataset, decode)
+    if isinstance(dataset, torch.utils.data.ConcatDataset):
+        return _concat_source(dataset, decode)
     try:
         from torchvision.datasets import DatasetFolder
         from torchvision.datasets.folder import default_loader, pil_loader
@@ -143,7 +248,7 @@ def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, st
     if DatasetFolder is not None and isinstance(dataset, DatasetFolder):
         if not decode:
             return DatasetFolderSource(dataset), ""
-        if type(dataset).__getitem__ is not DatasetFolder.__getitem__:
+        if _overridden(dataset, DatasetFolder, ("__getitem__",)):
             return None, f"{type(dataset).__name__} overrides __getitem__"
         if dataset.loader not in (default_loader, pil_loader) or get_image_backend() != "PIL":
             return None, f"its loader {getattr(dataset.loader, '__name__', dataset.loader)!r} reads files itself"
