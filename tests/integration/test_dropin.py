@@ -75,20 +75,26 @@ def test_the_dali_backend_through_a_plain_loader_gives_its_own_batches(image_roo
                                      collate_fn=parts.collate_fn, num_workers=1)))
 
 
-def test_what_torch_users_read_from_a_loader_is_torchs(image_root):
-    class Handles(tud.Dataset):  # uncacheable: per-worker state set by worker_init_fn, as with DB handles
-        def __len__(self):
-            return 8
+class Handles(tud.Dataset):
+    """Not cacheable: per-worker state that a ``worker_init_fn`` sets, as with file or DB handles."""
 
-        def __getitem__(self, i):
-            return torch.tensor([i, self.worker_tag])
+    def __len__(self):
+        return 8
 
-    def init(worker_id):
-        tud.get_worker_info().dataset.worker_tag = 100 + worker_id
+    def __getitem__(self, i):
+        return torch.tensor([i, self.worker_tag])
 
+
+def tag_worker(worker_id: int) -> None:
+    tud.get_worker_info().dataset.worker_tag = 100 + worker_id
+
+
+def test_what_torch_users_read_from_a_loader_is_torchs(monkeypatch):
+    monkeypatch.setattr(coordl.cache_setup, "_warned", set())
     dataset = Handles()
     with pytest.warns(UserWarning, match="coordl cannot cache Handles"):
-        loader = coordl.DataLoader(dataset, batch_size=2, num_workers=2, worker_init_fn=init)
+        loader = coordl.DataLoader(dataset, batch_size=2, num_workers=2, worker_init_fn=tag_worker,
+                                   multiprocessing_context="spawn")
     assert loader.dataset is dataset  # not a proxy: isinstance checks and attribute writes reach it
     batches = list(loader)
     assert sorted(int(b[0, 1]) for b in batches) == [100, 100, 101, 101]
