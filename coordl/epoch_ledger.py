@@ -25,14 +25,16 @@ summary_logger = logging.getLogger("coordl")
 
 
 class _Running:
-    """The epoch in progress: its stats, the pass it belongs to, counter totals at its start, samples
-    handed to torch, and whether the plan ran out."""
+    """The epoch in progress: its stats, the pass it belongs to, counter totals at its start, batches and
+    samples handed to torch (delivered to the training loop, where coordl's iterator sees them), and
+    whether the plan ran out."""
 
     def __init__(self, epoch: EpochStats, owner, counters, start: dict, group):
         self.epoch, self.owner, self.counters, self.start, self.group = epoch, owner, counters, start, group
         self.started = time.perf_counter()
-        self.yielded, self.exhausted = 0, False
-        self.timed = False  # coordl's own iterator times the training loop's waits
+        self.yielded, self.handed, self.exhausted = 0, 0, False
+        self.timed = False  # coordl's own iterator times the training loop's waits, and counts batches delivered
+        self.delivered = 0
 
 
 class EpochLedger:
@@ -71,7 +73,7 @@ class EpochLedger:
     def planned(self, owner, batch) -> None:
         """The pass handed torch ``batch`` (a list of indices, or one index when unbatched)."""
         if self.current is not None and self.current.owner is owner:
-            self.current.epoch.batches += 1
+            self.current.handed += 1
             self.current.yielded += len(batch) if isinstance(batch, list) else 1
 
     def exhausted(self, owner) -> None:
@@ -81,6 +83,8 @@ class EpochLedger:
         if running is None or running.owner is not owner:
             return
         running.exhausted = True
+        if running.timed:
+            return  # coordl's own iterator ends it at the last batch it delivers
         fetched = running.counters.totals()["samples"] - running.start["samples"] if running.counters else 0
         if self.feed is not None or fetched >= running.yielded:
             self.end(complete=True)
@@ -110,7 +114,8 @@ class EpochLedger:
     # -- what the loader reads -----------------------------------------------------------------------
 
     def _filled(self, running: _Running) -> EpochStats:
-        epoch = EpochStats(**{**running.epoch.__dict__, "time_s": time.perf_counter() - running.started})
+        epoch = EpochStats(**{**running.epoch.__dict__, "time_s": time.perf_counter() - running.started,
+                              "batches": running.delivered if running.timed else running.handed})
         if running.counters is not None:
             for field, value in running.counters.totals().items():
                 setattr(epoch, field, value - running.start[field])

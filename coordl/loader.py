@@ -359,6 +359,8 @@ class _EpochIterator:
             raise
         self._stalled(ledger, time.perf_counter() - started)
         self._delivered += 1
+        if self._running is not None:
+            self._running.delivered += 1
         if self._delivered == 1:
             self._loader._keep_room_for(batch)
         if self._bar is not None:

@@ -369,10 +369,10 @@ def test_the_size_an_error_suggests_fits(tmp_path, small_shm):
 
 
 def test_auto_counts_the_index_and_turns_the_cache_off_when_nothing_fits(tmp_path, small_shm):
-    from coordl.loader import _auto_capacity
+    from coordl.cache_setup import auto_capacity
     small_shm("64m")  # docker's default /dev/shm
     imagenet = 1_281_167
-    capacity, keep = _auto_capacity(140 * 2**30, imagenet)
+    capacity, keep = auto_capacity(140 * 2**30, imagenet)
     assert capacity > 0 and keep > 0
     cache = MinIOCache(_name(), n_items=imagenet, capacity_bytes=capacity, fingerprint=bytes(32),
                        preallocate=False, keep_free_bytes=keep)
