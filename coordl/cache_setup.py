@@ -5,7 +5,6 @@ the identity (fingerprint, name) and size of its node-wide cache, and the storag
 from. See minio_cache NOTE [ Sizing ] for how ``"auto"`` grows.
 """
 
-import getpass
 import logging
 import os
 import warnings
@@ -18,7 +17,7 @@ from coordl._sizes import format_bytes
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.minio_cache import MinIOCache, cache_segment_name, index_bytes
-from coordl.raw_datasets import fingerprint_files, raw_source
+from coordl.raw_datasets import ConcatSource, SubsetSource, fingerprint_files, raw_source
 from coordl.storage import FileStorage
 
 logger = logging.getLogger(__name__)
@@ -77,15 +76,32 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_bytes, cache_name: str 
         if fingerprint is None:
             fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))],
                                             content=cache_verify == "content")
-        cache = open_cache(source, fingerprint, capacity, cache_bytes=cache_bytes, cache_name=cache_name)
+        cache = open_cache(dataset, source, fingerprint, capacity, cache_bytes=cache_bytes, cache_name=cache_name)
     drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
     return CachedDataset(dataset, source, cache, storage if storage is not None else FileStorage(drop_page_cache=drop),
                          SampleCounters(num_workers + 1), fingerprint)
 
 
-def open_cache(source, fingerprint: tuple[bytes, int], capacity: int | None, *, cache_bytes,
+def _cache_label(dataset, source, cache_name: str | None) -> str:
+    """What ``coordl cache ls`` says the cache holds, e.g. ``ImageFolder of 96 files in /data/train``,
+    after ``cache_name:`` where one was given."""
+    what = f"{type(dataset).__name__} of {len(source)} files in {_folder(source)}"
+    return f"{cache_name}: {what}" if cache_name else what
+
+
+def _folder(source) -> str:
+    """The absolute folder of a source's files: its dataset's ``root``, else its first file's folder; the
+    folder its parts share for a ``Subset`` or ``ConcatDataset``."""
+    if isinstance(source, (SubsetSource, ConcatSource)):
+        return os.path.commonpath([_folder(part) for part in source.parts if len(part)])
+    root = getattr(getattr(source, "dataset", source), "root", None)
+    return os.path.abspath(root or os.path.dirname(source.raw_key(0)))
+
+
+def open_cache(dataset, source, fingerprint: tuple[bytes, int], capacity: int | None, *, cache_bytes,
                cache_name: str | None) -> MinIOCache | None:
-    """The node's cache for ``source`` (attached now, so a full /dev/shm fails here), or None."""
+    """The node's cache for ``source``, the raw bytes of the user's ``dataset`` (attached now, so a full
+    /dev/shm fails here), or None."""
     digest, dataset_bytes = fingerprint
     preallocate, keep = capacity is not None, 0
     if capacity is None:
@@ -102,9 +118,7 @@ def open_cache(source, fingerprint: tuple[bytes, int], capacity: int | None, *, 
         capacity = dataset_bytes
     if capacity == 0:
         return None
-    root = getattr(source, "dataset", source)
-    where = getattr(root, "root", None) or os.path.dirname(source.raw_key(0))  # not empty: capacity > 0
-    label = f"{cache_name or getpass.getuser()}: {len(source)} files in {where}"
+    label = _cache_label(dataset, source, cache_name)  # not empty: capacity > 0
     cache = MinIOCache(cache_segment_name(cache_name or digest.hex()), n_items=len(source), capacity_bytes=capacity,
                        fingerprint=digest, label=label, preallocate=preallocate, keep_free_bytes=keep)
     cache.stats()

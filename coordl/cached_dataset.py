@@ -21,6 +21,8 @@ COUNTER_FIELDS = ("samples", "hits", "misses", "cache_bytes", "storage_bytes")
 """Per-sample counters: samples returned, cache hits, storage reads, bytes from cache, bytes from storage."""
 _SAMPLES, _HITS, _MISSES, _CACHE_BYTES, _STORAGE_BYTES = range(len(COUNTER_FIELDS))
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
+_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "fingerprint", "feed"))
+"""The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
 class SampleCounters:
@@ -74,8 +76,9 @@ class CachedDataset(torch.utils.data.Dataset):
     decodes and transforms them with the dataset's own code.
 
     Args:
-        dataset: the user's dataset; attribute access falls through to it
-            (``loader.dataset.classes`` works).
+        dataset: the user's dataset. Reading, writing and deleting any other attribute than these
+            arguments and ``feed`` falls through to it, as if torch held it: ``loader.dataset.classes``
+            reads it, ``loader.dataset.transform = eval_tf`` changes it for the next epoch's workers.
         source: how to read ``dataset``'s raw bytes, or None to call ``dataset[i]`` uncached.
         cache: the node's MinIO cache for this dataset, or None.
         storage: where misses are read from.
@@ -114,6 +117,18 @@ class CachedDataset(torch.utils.data.Dataset):
         if name.startswith("__") or "dataset" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self.__dict__["dataset"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN or name.startswith("__"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OWN or name.startswith("__"):
+            object.__delattr__(self, name)
+        else:
+            delattr(self.dataset, name)
 
     def _release(self) -> None:
         if self.cache is not None:

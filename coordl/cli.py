@@ -109,10 +109,41 @@ def _demo(args) -> int:
     return 0
 
 
+def _whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"should be a whole number of at least {minimum}, but got {text!r}")
+        return value
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a share of the dataset, more than 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"should be more than 0 and at most 1 (0.5: half the dataset), but got {text!r}")
+    return value
+
+
+def _subcommands(parser: argparse.ArgumentParser, what: str):
+    """``parser``'s subparsers; given none of them, the command fails naming them."""
+    commands = parser.add_subparsers()
+    parser.set_defaults(func=lambda args: parser.error(f"choose a {what}: {', '.join(commands.choices)}"))
+    return commands
+
+
 def _add_ls_rm(sub, kind: str, what: str, *, ls: tuple, rm: tuple, users: str, in_use: str) -> None:
     """``coordl KIND ls`` and ``coordl KIND rm [NAME ...] [--stale] [--force] [--dry-run]``."""
-    commands = sub.add_parser(kind, help=f"inspect and remove {what} in /dev/shm").add_subparsers(
-        dest=f"{kind}_command", required=True)
+    commands = _subcommands(sub.add_parser(kind, help=f"inspect and remove {what} in /dev/shm"), "subcommand")
     commands.add_parser("ls", help=ls[1]).set_defaults(func=ls[0])
     remove = commands.add_parser("rm", help=rm[1])
     remove.add_argument("names", nargs="*", help=f"{kind}s to remove (as `coordl {kind} ls` names them)")
@@ -124,14 +155,17 @@ def _add_ls_rm(sub, kind: str, what: str, *, ls: tuple, rm: tuple, users: str, i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordl", description="coordl: a DataLoader without data stalls.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = _subcommands(parser, "command")
 
     demo = sub.add_parser("demo", help="torch's DataLoader against coordl on a generated JPEG dataset")
-    demo.add_argument("--images", type=int, default=1500, help="JPEGs to generate (default: 1500, ~130 MB)")
-    demo.add_argument("--epochs", type=int, default=3)
-    demo.add_argument("--cache-fraction", type=float, default=0.5, help="coordl cache size / dataset size")
-    demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--images", type=_whole_number(1), default=1500,
+                      help="JPEGs to generate (default: 1500, ~130 MB)")
+    demo.add_argument("--epochs", type=_whole_number(1), default=3, help="epochs of each loader (default: 3)")
+    demo.add_argument("--cache-fraction", type=_fraction, default=0.5,
+                      help="coordl cache size / dataset size, in (0, 1] (default: 0.5)")
+    demo.add_argument("--workers", type=_whole_number(0), default=2,
+                      help="DataLoader worker processes, 0 to load in the main process (default: 2)")
+    demo.add_argument("--batch-size", type=_whole_number(1), default=64, help="samples per batch (default: 64)")
     demo.add_argument("--dir", help="keep the dataset in DIR (generated once) instead of a temporary folder")
     demo.set_defaults(func=_demo)
 

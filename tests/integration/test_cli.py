@@ -1,11 +1,19 @@
 """`coordl cache ls` / `coordl cache rm` on real caches, live and stale."""
 
+import argparse
+import getpass
 import os
 import secrets
 import signal
 import subprocess
 import sys
 
+import pytest
+import torch
+import torchvision
+
+import coordl
+from coordl.cli import build_parser
 from coordl.minio_cache import MinIOCache, cache_segment_name
 from coordl._shm import segment_path
 from tests import _procs
@@ -59,3 +67,43 @@ def test_demo_runs_and_shows_both_systems(tmp_path):
     coordl_1, coordl_2 = rows[2], rows[3]
     assert (coordl_1[4], coordl_1[5]) == ("0", "40")  # epoch 1: every sample a miss
     assert 0 < int(coordl_2[4]) < 40 and int(coordl_2[4]) + int(coordl_2[5]) == 40  # half cached
+
+
+def test_ls_says_what_each_cache_holds(image_root):
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    half = torch.utils.data.random_split(dataset, [0.5, 0.5], generator=torch.Generator().manual_seed(0))[0]
+    with coordl.DataLoader(dataset, cache_bytes=10_000), coordl.DataLoader(half, cache_bytes=10_000), \
+            coordl.DataLoader(dataset, cache_bytes=10_000, cache_name="mine"):
+        out = _coordl("cache", "ls").stdout
+    labels = sorted(line.split("  ")[-1] for line in out.splitlines()[1:])
+    assert labels == [f"ImageFolder of 96 files in {image_root}", f"Subset of 48 files in {image_root}",
+                      f"mine: ImageFolder of 96 files in {image_root}"]
+    assert f"{getpass.getuser()}:" not in out
+
+
+@pytest.mark.parametrize("command, choices", [((), "a command: demo, cache, group"),
+                                              (("cache",), "a subcommand: ls, rm"),
+                                              (("group",), "a subcommand: ls, rm")])
+def test_a_missing_subcommand_names_the_choices(command, choices):
+    done = _coordl(*command)
+    assert done.returncode == 2 and f"error: choose {choices}" in done.stderr and "_command" not in done.stderr
+
+
+WHOLE, SHARE = "a whole number of at least 1", "more than 0 and at most 1 (0.5: half the dataset)"
+
+
+@pytest.mark.parametrize("option, value, accepted", [
+    ("--images", "-3", WHOLE), ("--epochs", "0", WHOLE), ("--batch-size", "x", WHOLE),
+    ("--workers", "-1", "a whole number of at least 0"), ("--cache-fraction", "1.5", SHARE),
+    ("--cache-fraction", "0", SHARE)])
+def test_demo_refuses_a_bad_setting_before_it_starts(tmp_path, option, value, accepted):
+    done = _coordl("demo", option, value, "--dir", str(tmp_path))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"error: argument {option}: should be {accepted}, but got {value!r}" in done.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_demo_option_has_help():
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = [a for a in commands.choices["demo"]._actions if a.option_strings]
+    assert len(options) == 7 and all(a.help for a in options)

@@ -19,6 +19,7 @@ import torch.utils.data as tud
 import torchvision
 
 import coordl
+from coordl.storage import FileStorage
 from tests import _procs
 from tests._signals import FileEvent, FileQueue
 from tests.conftest import dataset_bytes
@@ -108,6 +109,20 @@ def test_what_torch_users_read_from_a_loader_is_torchs(monkeypatch):
     assert not [w for w in again if "cannot cache" in str(w.message)]  # once per process and dataset type
     annotated = coordl.DataLoader[torch.Tensor]  # a module annotated `-> DataLoader[Batch]` imports
     assert annotated is not None
+
+
+def test_attributes_written_through_loader_dataset_are_the_users_datasets(image_root):
+    dataset = coordl.FileDataset(_files(image_root), decode="bytes")
+    with coordl.DataLoader(dataset, batch_size=8, cache_bytes=dataset_bytes(image_root)) as loader:
+        loader.dataset.some_new_attr = 1
+        assert dataset.some_new_attr == 1 and "some_new_attr" not in vars(loader.dataset)
+        del loader.dataset.some_new_attr
+        assert not hasattr(dataset, "some_new_attr")
+        with pytest.raises(AttributeError):
+            del loader.dataset.some_new_attr
+        loader.dataset.storage = storage = FileStorage()  # coordl's own parts stay on its proxy
+        assert vars(loader.dataset)["storage"] is storage and not hasattr(dataset, "storage")
+        assert len(next(iter(loader))) == 8
 
 
 # -- HF Accelerate ---------------------------------------------------------------------------------
