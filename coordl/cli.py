@@ -105,7 +105,7 @@ def _group_rm(args) -> int:
 def _demo(args) -> int:
     from coordl.demo import run_demo
     run_demo(images=args.images, epochs=args.epochs, cache_fraction=args.cache_fraction, workers=args.workers,
-             batch_size=args.batch_size, root=args.dir)
+             batch_size=args.batch_size, read_mbps=args.read_mbps, root=args.dir)
     return 0
 
 
@@ -126,12 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordl", description="coordl: a DataLoader without data stalls.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="torch's DataLoader against coordl on a generated JPEG dataset")
-    demo.add_argument("--images", type=int, default=1500, help="JPEGs to generate (default: 1500, ~130 MB)")
+    demo = sub.add_parser("demo", help="torch's DataLoader against coordl with the same memory, on a slow "
+                                       "emulated disk, on a generated JPEG dataset")
+    demo.add_argument("--images", type=int, default=500, help="JPEGs to generate (default: 500, ~50 MiB)")
     demo.add_argument("--epochs", type=int, default=3)
-    demo.add_argument("--cache-fraction", type=float, default=0.5, help="coordl cache size / dataset size")
+    demo.add_argument("--cache-fraction", type=float, default=0.5,
+                      help="memory of each system (torch's page cache, coordl's cache) / dataset size")
+    demo.add_argument("--read-mbps", type=float, default=4.0, help="the emulated disk's bandwidth in MB/s (default: 4)")
     demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--batch-size", type=int, default=32)
     demo.add_argument("--dir", help="keep the dataset in DIR (generated once) instead of a temporary folder")
     demo.set_defaults(func=_demo)
 
