@@ -75,7 +75,7 @@ class Bench:
         self.dataset_page_bytes = sum(-(-size // PAGE_BYTES) * PAGE_BYTES for size in sizes)
         self.store = None
         if self.mode == "emulated":
-            from benchmarks.emulated_store import EmulatedStore
+            from coordl.emulated_store import EmulatedStore
 
             socket_dir = cleanup.workdir(tempfile.gettempdir())  # a short path: socket names are limited
             self.store = EmulatedStore(os.path.join(socket_dir, "store.sock"), self.bandwidth, 0)

@@ -4,7 +4,7 @@ In ``cgroup`` mode every system runs in its own memory + I/O cgroup (v1: ``memor
 hierarchies; v2: one group with ``memory.max`` and ``io.max``): reads from the dataset's disk are
 throttled to the set bandwidth and counted by the kernel, and page cache + shared memory + RSS are
 bounded. In ``emulated`` mode (no root, no cgroups, or the dataset on a virtual filesystem) an
-:mod:`~benchmarks.emulated_store` plays the disk and the page cache.
+:mod:`~coordl.emulated_store` plays the disk and the page cache.
 
 Everything created here (cgroups, process groups, the work folder, coordl caches named by the run)
 is registered with :class:`Cleanup` and removed on exit, failure, Ctrl-C or SIGTERM.
@@ -192,7 +192,7 @@ def device_read_bytes(counter: dict) -> int:
     if counter["kind"] == "none":
         return 0
     if counter["kind"] == "emulated":
-        from benchmarks.emulated_store import StoreClient
+        from coordl.emulated_store import StoreClient
 
         return StoreClient(counter["socket"]).device_read_bytes()
     with open(counter["file"]) as f:

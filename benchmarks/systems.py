@@ -51,32 +51,17 @@ def _torch_transform():
     return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.PILToTensor()])
 
 
-class _StoreImageLoader:
-    """ImageFolder ``loader=`` that reads files through the emulated store (picklable)."""
-
-    def __init__(self, socket_path: str):
-        from benchmarks.emulated_store import StoreClient
-
-        self.client = StoreClient(socket_path)
-
-    def __call__(self, path: str):
-        import io
-
-        from PIL import Image
-
-        with Image.open(io.BytesIO(self.client.read(path))) as img:
-            return img.convert("RGB")
-
-
 def build_loader(spec: dict):
     """The loader of ``spec["system"]`` over ``spec["root"]``, and the dataset's labels in index order."""
     import torch.utils.data
     import torchvision
 
+    from coordl.emulated_store import StoreClient, StoreImageLoader
+
     system, root, socket_path = spec["system"], spec["root"], spec.get("store_socket")
     common = dict(batch_size=spec["batch_size"], shuffle=True, num_workers=spec["workers"],
                   persistent_workers=spec["workers"] > 0)
-    extra = {} if socket_path is None or system != "torch" else {"loader": _StoreImageLoader(socket_path)}
+    extra = {} if socket_path is None or system != "torch" else {"loader": StoreImageLoader(socket_path)}
     dataset = torchvision.datasets.ImageFolder(root, transform=_torch_transform(), **extra)
     if system.startswith("dali-"):
         from coordl.dali_pipeline import file_reader_loader
@@ -94,8 +79,6 @@ def build_loader(spec: dict):
         kwargs.update(backend="dali", dali_pipeline="image_classification", dali_device="cpu")
     loader = coordl.DataLoader(dataset, **kwargs)
     if socket_path is not None:  # misses go to the emulated store, as FileStorage would go to disk
-        from benchmarks.emulated_store import StoreClient
-
         storage = loader.dataset.storage
         loader.dataset.storage = StoreClient(socket_path, drop_page_cache=storage.drop_page_cache)
     return loader, dataset.targets

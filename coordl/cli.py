@@ -105,7 +105,7 @@ def _group_rm(args) -> int:
 def _demo(args) -> int:
     from coordl.demo import run_demo
     run_demo(images=args.images, epochs=args.epochs, cache_fraction=args.cache_fraction, workers=args.workers,
-             batch_size=args.batch_size, root=args.dir)
+             batch_size=args.batch_size, read_mbps=args.read_mbps, root=args.dir)
     return 0
 
 
@@ -134,6 +134,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_number(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise argparse.ArgumentTypeError(f"should be a number above 0, but got {text!r}")
+    return value
+
+
 def _subcommands(parser: argparse.ArgumentParser, what: str):
     """``parser``'s subparsers; given none of them, the command fails naming them."""
     commands = parser.add_subparsers()
@@ -157,15 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coordl", description="coordl: a DataLoader without data stalls.")
     sub = _subcommands(parser, "command")
 
-    demo = sub.add_parser("demo", help="torch's DataLoader against coordl on a generated JPEG dataset")
-    demo.add_argument("--images", type=_whole_number(1), default=1500,
-                      help="JPEGs to generate (default: 1500, ~130 MB)")
+    demo = sub.add_parser("demo", help="torch's DataLoader against coordl with the same memory, on a slow "
+                                       "emulated disk, on a generated JPEG dataset")
+    demo.add_argument("--images", type=_whole_number(1), default=500, help="JPEGs to generate (default: 500, ~50 MiB)")
     demo.add_argument("--epochs", type=_whole_number(1), default=3, help="epochs of each loader (default: 3)")
     demo.add_argument("--cache-fraction", type=_fraction, default=0.5,
-                      help="coordl cache size / dataset size, in (0, 1] (default: 0.5)")
+                      help="memory of each system (torch's page cache, coordl's cache) / dataset size, in (0, 1] "
+                           "(default: 0.5)")
+    demo.add_argument("--read-mbps", type=_positive_number, default=4.0,
+                      help="the emulated disk's bandwidth in MB/s (default: 4)")
     demo.add_argument("--workers", type=_whole_number(0), default=2,
                       help="DataLoader worker processes, 0 to load in the main process (default: 2)")
-    demo.add_argument("--batch-size", type=_whole_number(1), default=64, help="samples per batch (default: 64)")
+    demo.add_argument("--batch-size", type=_whole_number(1), default=32, help="samples per batch (default: 32)")
     demo.add_argument("--dir", help="keep the dataset in DIR (generated once) instead of a temporary folder")
     demo.set_defaults(func=_demo)
 

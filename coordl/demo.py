@@ -1,99 +1,127 @@
-"""``coordl demo``: torch's DataLoader against coordl with a bounded cache, on generated JPEGs."""
+"""``coordl demo``: torch's DataLoader against coordl with the same memory, on a slow emulated disk.
+
+Both systems read the same generated JPEGs through one :class:`~coordl.emulated_store.EmulatedStore`
+(a disk throttled to ``read_mbps`` that counts the bytes it reads) and get the same memory budget,
+``cache_fraction`` of the dataset: torch as the store's LRU page cache, coordl as its MinIO cache
+(its reads drop their pages, so its page cache is empty).
+"""
 
 import os
-import resource
-import shutil
 import tempfile
 import time
-import warnings
 
+import torch
 import torch.utils.data
 import torchvision
 from torchvision import transforms as T
 from tqdm import tqdm  # not tqdm.auto: it calls iter() on the loader twice
 
-from coordl._sizes import format_bytes
+from coordl.emulated_store import EmulatedStore, StoreClient, StoreImageLoader
 from coordl.loader import DataLoader
 from coordl.synthetic import make_image_folder
 
-
-def _device_read_bytes() -> int:
-    """Bytes this process and its reaped children (finished workers) read from block devices."""
-    return 512 * (resource.getrusage(resource.RUSAGE_SELF).ru_inblock
-                  + resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock)
+MiB = 2**20
+SEED = 0  # both systems draw the same epoch orders
 
 
-def _drop_page_cache() -> bool:
-    """Empty the OS page cache so both systems start cold; needs root."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+def _transform():
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
 
 
-def _run(name: str, loader, epochs: int) -> list[dict]:
+def _epochs(name: str, loader, epochs: int, store: EmulatedStore) -> list[dict]:
+    """Run ``epochs`` epochs of ``loader``; one row each, counted by the store."""
     rows = []
     for epoch in range(1, epochs + 1):
-        read_before, started = _device_read_bytes(), time.perf_counter()
+        before, started = store.counters(), time.perf_counter()
         samples = 0
         for images, _ in tqdm(loader, desc=f"{name:>6} epoch {epoch}", unit="batch", leave=False):
             samples += len(images)
-        elapsed = time.perf_counter() - started
-        row = {"system": name, "epoch": epoch, "time_s": elapsed, "samples_per_s": samples / elapsed,
-               "device_read": _device_read_bytes() - read_before, "hits": "-", "misses": "-"}
-        if isinstance(loader, DataLoader):
-            stats = loader.stats().epochs[-1]
-            row.update(hits=stats.hits, misses=stats.misses)
-        rows.append(row)
+        elapsed, after = time.perf_counter() - started, store.counters()
+        misses = after.read_files - before.read_files
+        rows.append({"system": name, "epoch": epoch, "time_s": elapsed, "samples_per_s": samples / elapsed,
+                     "read_bytes": after.read_bytes - before.read_bytes, "hits": samples - misses, "misses": misses})
     return rows
 
 
-def run_demo(images: int = 1500, epochs: int = 3, cache_fraction: float = 0.5, workers: int = 2,
-             batch_size: int = 64, root: str | None = None) -> list[dict]:
-    """Generate a dataset, run ``epochs`` epochs of torch and of coordl on it, print a table.
+def _run_torch(data: str, store: EmulatedStore, memory: int, epochs: int, **common) -> list[dict]:
+    """torch's DataLoader over an ImageFolder reading through the store, with a page cache of ``memory``."""
+    store.reset(page_cache_bytes=memory)
+    dataset = torchvision.datasets.ImageFolder(data, transform=_transform(), loader=StoreImageLoader(store.socket_path))
+    loader = torch.utils.data.DataLoader(dataset, generator=torch.Generator().manual_seed(SEED), **common)
+    return _epochs("torch", loader, epochs, store)
 
-    Returns the table's rows.
-    """
-    workdir = tempfile.mkdtemp(prefix="coordl-demo-") if root is None else root
-    try:
-        data = os.path.join(workdir, "train")
+
+def _run_coordl(data: str, store: EmulatedStore, memory: int, epochs: int, **common) -> list[dict]:
+    """coordl with a MinIO cache of ``memory``, its misses read through the store with no page cache."""
+    store.reset(page_cache_bytes=0)
+    dataset = torchvision.datasets.ImageFolder(data, transform=_transform())
+    with DataLoader(dataset, generator=torch.Generator().manual_seed(SEED), cache_bytes=memory,
+                    cache_name=f"demo-{os.getpid()}", storage=StoreClient(store.socket_path, drop_page_cache=True),
+                    **common) as loader:
+        return _epochs("coordl", loader, epochs, store)
+
+
+def run_demo(images: int = 500, epochs: int = 3, cache_fraction: float = 0.5, workers: int = 2,
+             batch_size: int = 32, read_mbps: float = 4.0, root: str | None = None) -> list[dict]:
+    """Generate a dataset (in ``root`` if given and not there yet), run ``epochs`` epochs of torch
+    and of coordl on it, print a table and the conclusion. Returns the table's rows."""
+    with tempfile.TemporaryDirectory(prefix="coordl-demo-") as scratch:
+        data = os.path.join(root or scratch, "train")
         if not os.path.isdir(data):
-            print(f"Generating {images} ImageNet-like JPEGs in {data} ...")
+            print(f"Generating {images} ImageNet-like JPEGs in {data} ...", flush=True)
             make_image_folder(data, images, n_classes=10)
-        dataset = torchvision.datasets.ImageFolder(
-            data, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()]))
-        size = sum(os.path.getsize(p) for p, _ in dataset.samples)
-        cache_bytes = int(cache_fraction * size)
-        print(f"Dataset: {len(dataset)} files, {format_bytes(size)}; coordl cache: {format_bytes(cache_bytes)} "
-              f"({cache_fraction:.0%}); {workers} workers, batch size {batch_size}.")
-        cold = _drop_page_cache()
-        rows = _run("torch", torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                                                         num_workers=workers), epochs)
-        _drop_page_cache()
-        with warnings.catch_warnings(), DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                                   cache_bytes=cache_bytes) as loader:
-            warnings.simplefilter("ignore")
-            rows += _run("coordl", loader, epochs)
-        _print_table(rows)
-        print("\nEach epoch reads every sample once in a new order. coordl's later epochs hit exactly the items its "
-              "cache took in epoch 1 and read only the rest from storage (device_read).")
-        print("torch relies on the OS page cache, which here is " +
-              ("as large as free memory: its later epochs read little from the device. On a dataset larger than "
-               "memory the page cache thrashes instead (see docs/benchmarks.md)." if cold else
-               "not dropped (needs root), so epoch 1 may already be warm."))
-        return rows
-    finally:
-        if root is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+        files = [p for p, _ in torchvision.datasets.ImageFolder(data).samples]
+        size = sum(os.path.getsize(p) for p in files)
+        memory = int(cache_fraction * size)
+        print(f"Dataset: {len(files)} files, {size / MiB:.1f} MiB; memory for each system: {memory / MiB:.1f} MiB "
+              f"({cache_fraction:.0%}); {workers} workers, batch size {batch_size}, {epochs} epochs in the same "
+              f"random orders.\nStorage: emulated disk (no root needed) at {read_mbps:g} MB/s, counting the bytes "
+              f"it reads. torch's memory is the disk's LRU page cache; coordl's is its MinIO cache, and its reads "
+              f"skip the page cache (posix_fadvise DONTNEED).", flush=True)
+        common = dict(batch_size=batch_size, shuffle=True, num_workers=workers)
+        with EmulatedStore(os.path.join(scratch, "disk.sock"), int(read_mbps * 10**6), 0) as store:
+            rows = (_run_torch(data, store, memory, epochs, **common)
+                    + _run_coordl(data, store, memory, epochs, **common))
+    _print_table(rows)
+    if epochs > 1:
+        print("\n" + conclusion(rows, memory))
+    return rows
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = f"\n{'system':<8}{'epoch':>6}{'time_s':>9}{'samples/s':>11}{'hits':>7}{'misses':>8}{'device_read':>13}"
+    header = f"\n{'system':<8}{'epoch':>6}{'time_s':>9}{'samples/s':>11}{'read_MiB':>10}{'hits':>7}{'misses':>8}"
     print(header)
     print("-" * (len(header) - 1))
     for r in rows:
-        print(f"{r['system']:<8}{r['epoch']:>6}{r['time_s']:>9.2f}{r['samples_per_s']:>11.1f}{r['hits']!s:>7}"
-              f"{r['misses']!s:>8}{format_bytes(r['device_read']):>13}")
+        print(f"{r['system']:<8}{r['epoch']:>6}{r['time_s']:>9.2f}{r['samples_per_s']:>11.1f}"
+              f"{r['read_bytes'] / MiB:>10.1f}{r['hits']:>7}{r['misses']:>8}")
+
+
+def _steady(rows: list[dict], system: str, key: str) -> float:
+    """Mean of ``key`` over ``system``'s epochs after the first."""
+    values = [r[key] for r in rows if r["system"] == system and r["epoch"] > 1]
+    return sum(values) / len(values)
+
+
+def _hit_rate(rows: list[dict], system: str) -> float:
+    """Share of ``system``'s samples served from memory in its epochs after the first."""
+    hits = _steady(rows, system, "hits")
+    return hits / (hits + _steady(rows, system, "misses"))
+
+
+def conclusion(rows: list[dict], memory: int) -> str:
+    """Why the numbers differ, and one line comparing both systems' epochs after the first."""
+    lru, minio = _hit_rate(rows, "torch"), _hit_rate(rows, "coordl")
+    why = (f"After epoch 1 torch's LRU page cache served {lru:.0%} of the samples, and coordl's cache, which keeps "
+           f"what it took in epoch 1, {minio:.0%}" + (": in each new random order the LRU has evicted many files "
+                                                    "before their turn comes." if lru < minio else "."))
+    ours, theirs = _steady(rows, "coordl", "read_bytes") / MiB, _steady(rows, "torch", "read_bytes") / MiB
+    if ours == 0:
+        compared = f"nothing from storage per epoch after the first, torch {theirs:.1f} MiB"
+    else:
+        ratio = theirs / ours
+        than = f"{ratio:.1f}× less" if ratio >= 1 else f"{1 / ratio:.1f}× more"
+        compared = f"{ours:.1f} MiB from storage per epoch after the first, {than} than torch's {theirs:.1f} MiB"
+    speed = _steady(rows, "coordl", "samples_per_s") / _steady(rows, "torch", "samples_per_s")
+    return (f"{why}\ncoordl read {compared}, with the same {memory / MiB:.1f} MiB of memory, "
+            f"at {speed:.1f}× torch's samples/s.")

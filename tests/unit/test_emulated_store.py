@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from benchmarks.emulated_store import EmulatedStore, StoreClient
+from coordl.emulated_store import EmulatedStore, StoreClient
 
 
 @pytest.fixture
@@ -32,6 +32,7 @@ def test_misses_take_their_time_at_the_bandwidth_and_are_counted(store, files):
     assert time.monotonic() - started >= 0.3  # 300 kB at 1 MB/s
     assert data == [bytes([i]) * 100_000 for i in range(3)]
     assert client.device_read_bytes() == 300_000
+    assert store.counters() == (300_000, 3)
 
 
 def test_page_cache_hits_cost_nothing_and_drop_evicts(store, files):
@@ -49,6 +50,7 @@ def test_page_cache_hits_cost_nothing_and_drop_evicts(store, files):
     dropping.read(files[0])  # a hit, then out of the page cache (posix_fadvise DONTNEED)
     dropping.read(files[0])
     assert client.device_read_bytes() == 500_000
+    assert store.counters().read_files == 5
 
 
 def test_client_travels_to_other_processes_and_reports_missing_files(store, files):
@@ -68,3 +70,15 @@ def test_threads_of_one_process_each_get_their_own_answers(store, files):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         data = list(pool.map(client.read, files * 3))
     assert data == [bytes([i]) * 100_000 for i in range(3)] * 3
+
+
+def test_image_loader_decodes_what_it_reads_through_the_store(store, tmp_path):
+    from PIL import Image
+
+    from coordl.emulated_store import StoreImageLoader
+
+    path = tmp_path / "gray.png"
+    Image.new("L", (4, 3), 7).save(path)
+    img = StoreImageLoader(store.socket_path)(str(path))
+    assert (img.mode, img.size, img.getpixel((0, 0))) == ("RGB", (4, 3), (7, 7, 7))
+    assert store.counters() == (path.stat().st_size, 1)

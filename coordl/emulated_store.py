@@ -1,21 +1,30 @@
 """An emulated slow disk with a bounded page cache, for machines without root or cgroups.
 
-One server thread in the benchmark's parent process plays the block device and the OS page
-cache: files are read at a fixed bandwidth shared by all readers, and a byte-bounded LRU of
-whole files stands in for the page cache (a hit costs no device time). The loaders under test
-read through :class:`StoreClient` over a Unix socket, so the bytes "read from the device" are
-counted by the store, not by the loader.
+One server thread in the owning process (``coordl demo``, the benchmark's parent) plays the block
+device and the OS page cache: files are read at a fixed bandwidth shared by all readers, and a
+byte-bounded LRU of whole files stands in for the page cache (a hit costs no device time). Loaders
+read through :class:`StoreClient` over a Unix socket, from any process or thread, so the bytes
+"read from the device" are counted by the store, not by the loader.
 """
 
 import collections
+import io
 import os
 import socket
 import socketserver
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 _LEN = struct.Struct("!q")
+
+
+class DeviceCounters(NamedTuple):
+    """What the emulated device has read so far: bytes, and files (page-cache misses)."""
+
+    read_bytes: int
+    read_files: int
 
 
 class _Device:
@@ -25,7 +34,7 @@ class _Device:
         self.read_bps, self.page_cache_bytes = read_bps, page_cache_bytes
         self.lock = threading.Lock()
         self.pages: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.cached = self.read_bytes = 0
+        self.cached = self.read_bytes = self.read_files = 0
         self.busy_until = 0.0
 
     def read(self, path: str, keep: bool) -> bytes:
@@ -39,6 +48,7 @@ class _Device:
                 self.pages.move_to_end(path)
             else:
                 self.read_bytes += len(data)
+                self.read_files += 1
                 start = max(time.monotonic(), self.busy_until)
                 self.busy_until = start + len(data) / self.read_bps
                 wait_until = self.busy_until
@@ -98,6 +108,11 @@ class EmulatedStore:
         """Before a system runs: drop the page cache and size it to that system's budget."""
         self.device.reset(page_cache_bytes)
 
+    def counters(self) -> DeviceCounters:
+        """What the device has read so far (in the owning process, without a connection)."""
+        with self.device.lock:
+            return DeviceCounters(self.device.read_bytes, self.device.read_files)
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -114,7 +129,7 @@ class EmulatedStore:
 class StoreClient:
     """Reads files through the store. Picklable; each process and thread opens its own connection.
 
-    Implements coordl's ``Storage`` protocol (``read(key)``), so it can replace a loader's storage.
+    Implements coordl's ``Storage`` protocol (``read(key)``), so it can be a loader's ``storage=``.
 
     Args:
         drop_page_cache: as coordl's ``FileStorage``: the file leaves the page cache after the read.
@@ -148,3 +163,17 @@ class StoreClient:
     def device_read_bytes(self) -> int:
         """Bytes the store has read from its emulated device so far."""
         return self._request("S")[0]
+
+
+class StoreImageLoader:
+    """An ImageFolder ``loader=`` that reads files through the store (picklable): how a plain torch
+    DataLoader's dataset reads the emulated disk."""
+
+    def __init__(self, socket_path: str):
+        self.client = StoreClient(socket_path)
+
+    def __call__(self, path: str):
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self.client.read(path))) as img:
+            return img.convert("RGB")
