@@ -109,40 +109,26 @@ def _demo(args) -> int:
     return 0
 
 
-def _whole_number(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``minimum``."""
-    def parse(text: str) -> int:
+def _number(convert: Callable[[str], float], accept: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    """An argparse type: ``convert(text)`` if ``accept`` takes it, else an error saying it ``should be {expected}``."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"should be a whole number of at least {minimum}, but got {text!r}")
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"should be {expected}, but got {text!r}")
         return value
     return parse
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a share of the dataset, more than 0 and at most 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(
-            f"should be more than 0 and at most 1 (0.5: half the dataset), but got {text!r}")
-    return value
+def _whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``."""
+    return _number(int, lambda value: value >= minimum, f"a whole number of at least {minimum}")
 
 
-def _positive_number(text: str) -> float:
-    """An argparse type: a number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not value > 0:
-        raise argparse.ArgumentTypeError(f"should be a number above 0, but got {text!r}")
-    return value
+_fraction = _number(float, lambda value: 0 < value <= 1, "more than 0 and at most 1 (0.5: half the dataset)")
+_positive_number = _number(float, lambda value: value > 0, "a number above 0")
 
 
 def _subcommands(parser: argparse.ArgumentParser, what: str):

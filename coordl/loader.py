@@ -68,7 +68,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         cache_bytes: size of the cache. An int (numpy integers too), a string such as ``"8GiB"``,
             ``"auto"`` or 0 (off); a fraction of a byte (``"0.5"``) is refused, a fraction of a larger
             unit rounded down. ``"auto"`` takes the least of the dataset's size, 50% of available
-            memory and 90% of free /dev/shm. Defaults to ``"auto"``.
+            memory and the free space of /dev/shm less the cache's index, and grows only while
+            /dev/shm keeps room for torch's in-flight batches and other jobs (an explicit size is
+            allocated up front). Defaults to ``"auto"``.
         cache_name: name under which jobs share a cache. Defaults to None: the cache is named by
             the dataset's fingerprint (see ``cache_verify``), so jobs reading the same files share it.
         cache_verify: how a cache is matched to the dataset's files. Its fingerprint holds each
@@ -79,6 +81,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             Defaults to ``"stat"``.
         drop_page_cache: after reading a miss from storage, drop its pages from the OS page cache
             so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
+        storage: where misses are read from: any object with ``read(key) -> bytes`` (keys are what
+            the dataset's ``raw_key`` returns). Defaults to None: local files.
         progress: show a tqdm progress bar per epoch. Defaults to False.
         backend: who decodes and augments. ``"torch"``: the dataset's own code in torch's worker
             processes. ``"dali"``: a DALI pipeline (``dali_pipeline``) fed with the raw bytes from
