@@ -227,27 +227,11 @@ def test_an_hp_group_member_iterated_by_a_framework_still_shares(tmp_path, via):
 # -- Lightning, two processes ----------------------------------------------------------------------
 
 _LIGHTNING_DDP_SPAWN = textwrap.dedent("""
-    import json, os, sys, torch, torchvision, coordl
+    import json, os, sys
     import pytorch_lightning as pl
+    from tests.integration.test_frameworks import _TinyModule
 
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(3 * 8 * 8, 4)
-
-        def training_step(self, batch, batch_idx):
-            images, targets = batch
-            return torch.nn.functional.cross_entropy(self.layer(images.flatten(1)), targets)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            tf = torchvision.transforms.Compose([torchvision.transforms.Resize((8, 8)),
-                                                 torchvision.transforms.ToTensor()])
-            return coordl.DataLoader(torchvision.datasets.ImageFolder(sys.argv[1], transform=tf), batch_size=8,
-                                     shuffle=True, num_workers=1, cache_bytes=10**9)
-
+    class Tiny(_TinyModule):
         def on_train_end(self):
             loader = self.trainer.train_dataloader
             with open(os.path.join(sys.argv[2], f"rank{self.global_rank}.json"), "w") as f:
@@ -257,7 +241,7 @@ _LIGHTNING_DDP_SPAWN = textwrap.dedent("""
     if __name__ == "__main__":
         pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, enable_progress_bar=False,
                    logger=False, enable_checkpointing=False, enable_model_summary=False,
-                   default_root_dir=sys.argv[2]).fit(Tiny())
+                   default_root_dir=sys.argv[2]).fit(Tiny(sys.argv[1], cache_bytes=10**9, num_workers=1))
 """)
 
 
