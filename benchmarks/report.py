@@ -35,10 +35,12 @@ def _pct(x) -> str:
 
 
 def markdown(result: dict, setup: dict) -> str:
-    """The run's setup, one row per system × cache fraction × epoch, and the steady-epoch summary."""
+    """The run's setup, one row per system × cache fraction × (loader build, epoch), and the
+    steady-epoch summary."""
     cfg, dataset = setup["config"], result["dataset_bytes"]
     lines = [
-        f"storage_mode: **{result['storage_mode']}** ({setup['storage_detail']}); "
+        f"storage_mode: **{result['storage_mode']}**, dataset on **{result['dataset_on']}** "
+        f"({setup['storage_detail']}); "
         f"bandwidth {result['bandwidth_bytes_per_s'] / MIB:.1f} MiB/s; dataset {cfg['images']} JPEGs, "
         f"{dataset / MIB:.1f} MiB; batch {cfg['batch_size']}, {cfg['workers']} workers, "
         f"compute {cfg['compute_ms']:g} ms/batch; machine: {setup['machine']['summary']}.",
@@ -48,6 +50,9 @@ def markdown(result: dict, setup: dict) -> str:
     ]
     runs = measured(result["runs"])
     for run in runs:
+        built = run["build_device_read_bytes"]
+        lines.append(f"| {run['system']} | {run['cache_fraction']:.0%} | build | {run['build_s']:.2f} | – | – | "
+                     f"{built / MIB:.1f} | {built / dataset:.0%} | – | – | – |")
         for e in run["epochs"]:
             hits = f"{e['hits']}" + ("" if e["hits_source"] == "loader counters" else " (est.)")
             lines.append(
@@ -68,7 +73,8 @@ def markdown(result: dict, setup: dict) -> str:
     lines.append("")
     for run in result["runs"]:
         if not run["epochs"]:
-            why = f"skipped: {run['skipped']}" if "skipped" in run else f"FAILED: {run['error'][-300:]}"
+            why = (f"skipped: {run['skipped']}" if "skipped" in run
+                   else f"FAILED: {run['error']} (its stderr's tail is in results.json)")
             lines.append(f"- {run['system']} at {run['cache_fraction']:.0%}: {why}")
     return "\n".join(lines) + "\n"
 

@@ -1,17 +1,23 @@
 """The storage environment of a benchmark run: throttled disk, bounded memory, cold page cache, cleanup.
 
-In ``cgroup`` mode every system runs in its own memory + I/O cgroup (v1: ``memory`` and ``blkio``
-hierarchies; v2: one group with ``memory.max`` and ``io.max``): reads from the dataset's disk are
-throttled to the set bandwidth and counted by the kernel, and page cache + shared memory + RSS are
-bounded. In ``emulated`` mode (no root, no cgroups, or the dataset on a virtual filesystem) an
-:mod:`~coordl.emulated_store` plays the disk and the page cache.
+In ``cgroup`` mode the dataset gets a disk of its own: a copy on an ext4 filesystem on a loop device
+(:class:`LoopDisk`), so that throttling and counting that device touches the dataset's reads and
+nothing else (libraries and Python stay on the real disk, read at full speed). Where no loop device
+can be made, the dataset's whole disk is throttled instead. Every system runs in its own memory +
+I/O cgroup (v1: ``memory`` and ``blkio`` hierarchies; v2: one group with ``memory.max`` and
+``io.max``): reads from the dataset's device are throttled to the set bandwidth and counted by the
+kernel, and page cache + shared memory + RSS are bounded. In ``emulated`` mode (no root, no
+cgroups, or the dataset on a virtual filesystem) an :mod:`~coordl.emulated_store` plays the disk
+and the page cache.
 
-Everything created here (cgroups, process groups, the work folder, coordl caches named by the run)
-is registered with :class:`Cleanup` and removed on exit, failure, Ctrl-C or SIGTERM.
+Everything created here (cgroups, loop devices with their mounts and images, process groups, the
+work folder, coordl caches named by the run) is registered with :class:`Cleanup` and removed on
+exit, failure, Ctrl-C or SIGTERM.
 """
 
 import collections
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -22,9 +28,16 @@ import time
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 PREFIX = "coordl-bench"
-HEADROOM_BYTES = 16 * 2**20
+HEADROOM_BYTES = 48 * 2**20
 """The least room a group has beyond what it holds, for allocations between two updates of its bound
-(shared memory cannot wait for reclaim). A page-cache budget counts towards it."""
+(shared memory cannot wait for reclaim; under cgroup v1 a system call that finds the group full fails
+with ENOMEM, and DALI takes a batch's buffers, ~20 MiB at batch 32, faster than the bound follows).
+A page-cache budget counts towards it."""
+LOOP_TOOLS = ("losetup", "mkfs.ext4", "mount", "umount")
+FS_BLOCK = 4096
+UNMOUNT_TRIES_S = 10
+DRAIN_S = 30
+"""How long a killed child's pipes may stay open before its output is taken as it is."""
 
 
 def _write(path: str, value) -> None:
@@ -61,27 +74,152 @@ def block_device(path: str) -> str | None:
         return None
 
 
-def choose_mode(requested: str, data_dir: str) -> tuple[str, int | None, str | None, str]:
-    """(mode, cgroup version, device, why) for ``requested`` in {"auto", "cgroup", "emulated"}.
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _tool(*cmd: str) -> str:
+    """Run a system tool; its stdout.
+
+    Raises:
+        OSError: it failed (the command and what it said).
+    """
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise OSError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+@dataclasses.dataclass
+class LoopDisk:
+    """A copy of a dataset on an ext4 filesystem of its own: an image file attached to a loop device
+    with direct I/O (so the image's page cache neither serves the device's reads nor holds the
+    dataset twice), mounted at ``mount_point``; the copy is at ``root``."""
+
+    image: str
+    loop: str
+    device: str
+    """``MAJ:MIN`` of the loop device."""
+    mount_point: str
+    root: str
+
+
+def _image_size(source: str) -> tuple[int, int]:
+    """(bytes, inodes) of an ext4 image with room for the tree at ``source``: its files in whole
+    blocks, a block per entry for ext4's own structures, and a fixed reserve."""
+    data = entries = 0
+    for folder, dirs, files in os.walk(source):
+        entries += len(dirs) + len(files)
+        data += sum(-(-os.path.getsize(os.path.join(folder, f)) // FS_BLOCK) * FS_BLOCK for f in files)
+    return int(1.1 * data) + entries * FS_BLOCK + 64 * 2**20, entries + 1024
+
+
+def _unmount(mount_point: str) -> None:
+    """Unmount, waiting for the last users (killed children) to let go; then detach it lazily."""
+    deadline = time.monotonic() + UNMOUNT_TRIES_S
+    while True:
+        try:
+            _tool("umount", mount_point)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                _tool("umount", "--lazy", mount_point)
+                return
+            time.sleep(0.2)
+
+
+def copy_to_loop_disk(cleanup: "Cleanup", folder: str, source: str) -> LoopDisk:
+    """Copy the tree at ``source`` onto a new :class:`LoopDisk` in ``folder`` (image ``dataset.img``,
+    mounted at ``disk/``). Each piece is registered with ``cleanup`` as it is made; if a step fails,
+    the pieces made so far are removed before the error propagates.
+
+    Raises:
+        OSError: a step failed, or a tool is missing (what, and why).
+    """
+    missing = [tool for tool in LOOP_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise OSError(f"{', '.join(missing)} not found (install util-linux and e2fsprogs)")
+    size, inodes = _image_size(source)
+    with contextlib.ExitStack() as made:
+        image, mount_point = os.path.join(folder, "dataset.img"), os.path.join(folder, "disk")
+        with open(image, "wb") as f:
+            f.truncate(size)  # sparse: the disk holds only what is written
+        made.callback(os.remove, image)
+        _tool("mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-m", "0", "-N", str(inodes), "-O", "^has_journal",
+              "-E", "lazy_itable_init=0,nodiscard", image)
+        loop = _tool("losetup", "--find", "--show", "--direct-io=on", image)
+        made.callback(_tool, "losetup", "--detach", loop)
+        sys_dir = f"/sys/block/{os.path.basename(loop)}"
+        if _read(f"{sys_dir}/loop/dio") != "1":
+            raise OSError(f"{loop}: direct I/O refused over {image} (its page cache would hold the dataset a "
+                          "second time); put --workdir on a filesystem that supports O_DIRECT")
+        os.mkdir(mount_point)
+        made.callback(os.rmdir, mount_point)
+        _tool("mount", "-o", "noatime", loop, mount_point)
+        made.callback(_unmount, mount_point)
+        root = shutil.copytree(source, os.path.join(mount_point, os.path.basename(os.path.normpath(source))))
+        cleanup.enter_context(made.pop_all())
+    return LoopDisk(image, loop, _read(f"{sys_dir}/dev"), mount_point, root)
+
+
+@dataclasses.dataclass
+class Storage:
+    """Where a run's dataset lives and how its reads are throttled and counted."""
+
+    mode: str
+    """``"cgroup"`` or ``"emulated"``."""
+    dataset_on: str
+    """``"loop device"``, ``"whole disk"`` or ``"emulated store"``."""
+    root: str
+    """The dataset the systems read."""
+    detail: str
+    """What was set up, and why not something better."""
+    cgroup_version: int | None = None
+    device: str | None = None
+    """``MAJ:MIN`` throttled and counted (cgroup mode)."""
+
+
+def prepare_storage(requested: str, source: str, cleanup: "Cleanup", folder: str) -> Storage:
+    """The storage for ``requested`` in {"auto", "cgroup", "emulated"} and the dataset at ``source``:
+    in cgroup mode a copy on a :class:`LoopDisk` in ``folder``, else (no loop device) ``source`` on
+    its whole disk; emulated mode where cgroups are unavailable. Says in ``detail`` why it fell back.
 
     Raises:
         SystemExit: ``cgroup`` was requested and is not possible here.
     """
-    version, device = cgroup_version(), block_device(data_dir)
     if requested == "emulated":
-        return "emulated", None, None, "requested"
-    if version and device:
-        return "cgroup", version, device, f"cgroup v{version}, dataset on block device {device}"
-    why = ("needs root and cgroup v1 (memory, blkio) or v2 (memory, io)" if not version
-           else f"{data_dir} is not on a block device")
+        return Storage("emulated", "emulated store", source, "requested")
+    version = cgroup_version()
+    if not version:
+        return _emulated(requested, source, "needs root and cgroup v1 (memory, blkio) or v2 (memory, io)")
+    try:
+        disk = copy_to_loop_disk(cleanup, folder, source)
+    except OSError as e:
+        no_loop = f"no loop device for the dataset: {e}"
+    else:
+        return Storage("cgroup", "loop device", disk.root,
+                       f"cgroup v{version}; the dataset copied onto its own loop device {disk.device} ({disk.loop}, "
+                       f"ext4 over {disk.image}, direct I/O): only its reads are throttled and counted",
+                       version, disk.device)
+    device = block_device(source)
+    if device is None:
+        return _emulated(requested, source, f"{no_loop}; and {source} is not on a block device")
+    return Storage("cgroup", "whole disk", source,
+                   f"cgroup v{version}; FALLBACK, {no_loop}; throttling and counting the dataset's whole disk "
+                   f"{device} instead, so whatever else is read from it (libraries, Python) is too", version, device)
+
+
+def _emulated(requested: str, source: str, why: str) -> Storage:
+    """Emulated mode for the dataset at ``source``, as the fallback (``why``) from ``requested``."""
     if requested == "cgroup":
         raise SystemExit(f"cgroup mode unavailable: {why}")
-    return "emulated", None, None, f"cgroup mode unavailable: {why}"
+    return Storage("emulated", "emulated store", source, f"FALLBACK, cgroup mode unavailable: {why}")
 
 
 def evict_files(root: str) -> None:
     """Drop every file under ``root`` from the OS page cache (the part of ``drop_caches`` that matters,
-    without evicting the libraries every system would then re-read through the throttle)."""
+    without evicting the libraries every system would then re-read)."""
     os.sync()  # dirty pages are not evicted
     for folder, _, files in os.walk(root):
         for name in files:
@@ -95,7 +233,7 @@ def evict_files(root: str) -> None:
 class Cgroup:
     """The memory + I/O cgroup(s) of one system's run.
 
-    Reads from ``device`` (``MAJ:MIN``, the dataset's disk) are throttled to ``read_bps``. Memory is
+    Reads from ``device`` (``MAJ:MIN``, the dataset's device) are throttled to ``read_bps``. Memory is
     bounded to what the processes hold (all but unmapped page cache) plus ``page_cache_bytes`` (at least
     :data:`HEADROOM_BYTES`), so the page cache gets that much whatever the loader's own footprint;
     :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
@@ -160,10 +298,18 @@ class Cgroup:
         with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
             _write(os.path.join(self.dirs[0], name), limit)
 
+    def lift(self) -> None:
+        """Lift the memory bound and the throttle, so that tasks waiting on either run on (and can die)."""
+        self.bound(10**15, 0)
+        v1 = self.version == 1
+        with contextlib.suppress(OSError):  # the group is gone
+            _write(os.path.join(self.dirs[-1], "blkio.throttle.read_bps_device" if v1 else "io.max"),
+                   f"{self.device} 0" if v1 else f"{self.device} rbps=max")
+
     def remove(self) -> None:
         """Kill what is left in the group, then remove it."""
-        for d in self.dirs:  # waking tasks that wait for memory lets them die
-            remove_cgroup_dir(d, wake=lambda: self.bound(10**15, 0) if d == self.dirs[0] else None)
+        for d in self.dirs:  # waking tasks that wait for memory or the throttle lets them die
+            remove_cgroup_dir(d, wake=self.lift)
 
 
 def remove_cgroup_dir(path: str, wake=None) -> None:
@@ -235,15 +381,27 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction.
+@dataclasses.dataclass
+class ChildResult:
+    """How a child ended: ``timed_out`` if it was killed at its time limit (``returncode`` is then
+    the kill's); ``memory``: its group's figures (bytes): peak and mean held, mean and peak page
+    cache (empty without a cgroup)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    memory: dict
+
+
+def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> ChildResult:
+    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction, for at most
+    ``timeout_s``.
 
     Every 20 ms while it runs, the cgroup's memory bound follows what its processes hold (the most
     in the last second: a batch's memory, freed and taken again, is not turned into page cache and
-    back). Returns the
-    finished process and memory figures (bytes): peak and mean held, mean and peak page cache (empty
-    without a cgroup). The whole process group is killed when this returns, early or not (timeout,
-    Ctrl-C, error).
+    back). The whole process group is killed when this returns, early or not (timeout, Ctrl-C,
+    error), and the group's bounds lifted so that tasks waiting on them can die.
     """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
@@ -262,10 +420,13 @@ def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) ->
                 samples.append((held, page_cache))
 
     follower = threading.Thread(target=follow, daemon=True) if cgroup else None
+    timed_out = False
     try:
         if follower:
             follower.start()
         out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         done.set()
         with contextlib.suppress(ProcessLookupError):
@@ -273,11 +434,23 @@ def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) ->
         if follower:
             follower.join()
         if cgroup:
-            cgroup.bound(10**15, 0)  # tasks of a killed group may be waiting for memory
-        proc.wait()
+            cgroup.lift()
+    if timed_out:
+        out, err = _drain(proc)
+    proc.wait()
     memory = {}
     if samples:
         held, cache = zip(*samples)
         memory = {"peak_held_bytes": max(held), "mean_held_bytes": int(sum(held) / len(held)),
                   "mean_page_cache_bytes": int(sum(cache) / len(cache)), "peak_page_cache_bytes": max(cache)}
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), memory
+    return ChildResult(proc.returncode, out, err, timed_out, memory)
+
+
+def _drain(proc: subprocess.Popen) -> tuple[str, str]:
+    """(stdout, stderr) of a killed child: all of it once its processes are gone, what came within
+    :data:`DRAIN_S` if one of them keeps the pipes open."""
+    try:
+        return proc.communicate(timeout=DRAIN_S)
+    except subprocess.TimeoutExpired as e:  # its partial output comes as bytes
+        out, err = ((b or b"").decode(errors="replace") for b in (e.stdout, e.stderr))
+        return out, err + f"\n[output cut: pipes still open {DRAIN_S} s after SIGKILL]"

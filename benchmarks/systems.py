@@ -2,8 +2,9 @@
 
 Runs as a child process, one per system and cache size (``python -m benchmarks.systems SPEC``,
 SPEC a JSON object written by :func:`child_command`); prints JSON lines: the time to build the
-loader, one per epoch, then the cache's fill. Every system reads the same ImageFolder tree with the same augmentation
-(random-resized crop to 224, horizontal flip) and the same batch size and number of workers / threads.
+loader and the device bytes read meanwhile, one per epoch, then the cache's fill. Every system
+reads the same ImageFolder tree with the same augmentation (random-resized crop to 224, horizontal
+flip) and the same batch size and number of workers / threads.
 """
 
 import collections
@@ -125,16 +126,18 @@ def run(spec: dict) -> None:
     """
     from benchmarks.storage_env import device_read_bytes
 
-    mark, started = device_read_bytes(spec["counter"]), time.perf_counter()
+    before, started = device_read_bytes(spec["counter"]), time.perf_counter()
     loader, targets = build_loader(spec)
-    print(json.dumps({"build_s": time.perf_counter() - started}), flush=True)
+    build_s, mark = time.perf_counter() - started, device_read_bytes(spec["counter"])
+    # What a loader reads while it is built (DALI-seq fills its 1024-sample shuffle buffer) is counted apart.
+    print(json.dumps({"build_s": build_s, "build_device_read_bytes": mark - before}), flush=True)
     expected = collections.Counter(targets)
     for epoch in range(1, spec["epochs"] + 1):
         started = time.perf_counter()
         seen = train_epoch(loader, spec["compute_ms"] / 1000)
         elapsed = time.perf_counter() - started
-        # Counted from the end of the previous epoch (epoch 1: from before the loader was built), so
-        # reads a loader does ahead of an epoch (DALI's prefetch) are never lost.
+        # Counted from the end of the previous epoch (epoch 1: of the build), so reads a loader does
+        # ahead of an epoch (DALI's prefetch) are never lost.
         read, mark = mark, device_read_bytes(spec["counter"])
         row = {"epoch": epoch, "time_s": elapsed, "samples": seen["samples"], "batches": seen["batches"],
                "samples_per_s": seen["samples"] / elapsed, "device_read_bytes": mark - read,

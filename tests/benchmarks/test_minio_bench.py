@@ -1,5 +1,6 @@
-"""``python -m benchmarks.minio`` end to end on a tiny dataset: the results' schema and sanity, and
-that it leaves nothing behind, also when interrupted."""
+"""``python -m benchmarks.minio`` end to end on a tiny dataset: the results' schema and sanity, that it
+leaves nothing behind, also when interrupted, and that a system that hangs is recorded and the rest
+still run."""
 
 import glob
 import json
@@ -11,7 +12,9 @@ import time
 
 import pytest
 
+from benchmarks import minio
 from benchmarks.storage_env import PREFIX, block_device, cgroup_version
+from benchmarks.systems import child_command
 from coordl.minio_cache import list_caches
 from tests import _procs
 
@@ -43,6 +46,11 @@ def _leftovers(pid: int, *folders: str) -> list[str]:
     found += [os.path.join(f, name) for f in folders for name in os.listdir(f) if name.startswith(PREFIX)]
     found += [s.name for s in list_caches() if s.label.startswith(tag)]
     found += _procs.command_lines(lambda cmd: "benchmarks.systems" in cmd and any(f in cmd for f in folders))
+    for backing in glob.glob("/sys/block/loop*/loop/backing_file"):  # the dataset's loop device
+        with open(backing) as f:
+            found += [backing] if any(f.read().startswith(folder) for folder in folders) else []
+    with open("/proc/self/mounts") as f:
+        found += [line for line in f if any(line.split()[1].startswith(folder) for folder in folders)]
     return found
 
 
@@ -55,12 +63,15 @@ def test_smoke_run(tmp_path, mode):
     assert proc.returncode == 0, log
     with open(os.path.join(out, "results.json")) as f:
         result = json.load(f)
-    assert set(result) == {"storage_mode", "dataset_bytes", "bandwidth_bytes_per_s", "runs"}
+    assert set(result) == {"storage_mode", "dataset_on", "dataset_device", "dataset_bytes", "bandwidth_bytes_per_s",
+                           "runs"}
     assert result["storage_mode"] == mode
+    assert result["dataset_on"] in (("loop device", "whole disk") if mode == "cgroup" else ("emulated store",))
     assert result["bandwidth_bytes_per_s"] == 4_000_000
     dataset = result["dataset_bytes"]
     runs = {r["system"]: r for r in result["runs"]}
     assert set(runs) == set(systems) and all(r["cache_fraction"] == 0.5 for r in runs.values())
+    measured = {name: r for name, r in runs.items() if r["epochs"]}
     if mode == "emulated":
         assert "cannot use the emulated store" in runs["dali-seq"]["skipped"] and runs["dali-seq"]["epochs"] == []
     for system in ("torch", "coordl"):
@@ -76,6 +87,8 @@ def test_smoke_run(tmp_path, mode):
     coordl, cache = runs["coordl"]["epochs"][1], runs["coordl"]["cache"]
     assert 0 < cache["bytes_cached"] <= dataset // 2 and coordl["hits"] == cache["items_cached"]
     slack = IMAGES * PAGE + 256 * 1024  # partial pages of each file, filesystem metadata
+    if result["dataset_on"] != "whole disk":  # nothing but the dataset is counted
+        assert all(r["epochs"][0]["device_read_bytes"] <= dataset + slack for r in measured.values())
     assert dataset - cache["bytes_cached"] <= coordl["device_read_bytes"] <= dataset - cache["bytes_cached"] + slack
     assert runs["coordl"]["steady"]["speedup"].keys() >= {"torch"}
     for name in ("results.md", "setup.json"):
@@ -97,3 +110,44 @@ def test_ctrl_c_removes_everything(tmp_path, mode):
     proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert _leftovers(proc.pid, work, str(tmp_path / "tmp")) == []
+
+
+def test_the_time_limit_covers_reading_prepping_and_computing_every_epoch_with_a_margin():
+    seconds, how = minio.child_timeout(3, 120_000_000, 10_000_000, 38, 0.02)
+    assert seconds == pytest.approx(minio.TIMEOUT_MARGIN * (minio.STARTUP_S + 3 * (12 + 12 + 0.76)))
+    assert how == f"{seconds:.0f} s = 2 × (60 s start-up + 3 epochs × (12.0 s reading + 12.0 s prep + 0.8 s compute))"
+    unthrottled, _ = minio.child_timeout(1, 10_000_000, None, 2, 0)
+    assert unthrottled == pytest.approx(minio.TIMEOUT_MARGIN * (minio.STARTUP_S + 1))
+
+
+HANG = "import sys, time; print('stuck loading libraries', file=sys.stderr, flush=True); time.sleep(600)  # hung-system"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hung_system_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, mode):
+    """torch's measured run hangs (a child that sleeps): it is killed at its (tiny) limit, recorded with
+    its error and stderr, leaves nothing behind, and coordl still runs; the exit status is 1."""
+    def hang_torch(spec):
+        hangs = spec["system"] == "torch" and not spec["cache_name"].endswith("warm-up")
+        return [sys.executable, "-c", HANG] if hangs else child_command(spec)
+
+    def tiny_limit_for_the_hang(cmd, timeout_s, group=None):
+        return run_child(cmd, 3 if HANG in cmd else timeout_s, group)
+
+    run_child = minio.run_child
+    monkeypatch.setattr(minio, "child_command", hang_torch)
+    monkeypatch.setattr(minio, "run_child", tiny_limit_for_the_hang)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    status = minio.main([*TINY, "--epochs", "1", "--storage", mode, "--systems", "torch", "coordl",
+                         "--workdir", str(work), "--out", str(out)])
+    assert status == 1
+    with open(out / "results.json") as f:
+        runs = {r["system"]: r for r in json.load(f)["runs"]}
+    assert runs["torch"]["epochs"] == [] and runs["torch"]["error"].startswith("torch at cache 50% timed out after")
+    assert "stuck loading libraries" in runs["torch"]["stderr_tail"]
+    assert [e["samples"] for e in runs["coordl"]["epochs"]] == [IMAGES] and "error" not in runs["coordl"]
+    assert "torch at 50%: FAILED: torch at cache 50% timed out" in (out / "results.md").read_text()
+    assert _procs.command_lines(lambda cmd: "hung-system" in cmd) == []
+    assert _leftovers(os.getpid(), str(work)) == []

@@ -1,0 +1,168 @@
+"""The benchmark's storage environment: the dataset's own loop device (made, evicted, throttled and
+counted alone, and removed however a run ends), the fallback without one, and children killed at
+their time limit."""
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+
+from benchmarks import storage_env
+from benchmarks.storage_env import (LOOP_TOOLS, PREFIX, Cleanup, block_device, cgroup_version, copy_to_loop_disk,
+                                    device_read_bytes, evict_files, prepare_storage, run_child)
+from tests import _procs
+
+FILE_BYTES = 256 * 1024
+needs_loop = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/loop-control") or not all(map(shutil.which, LOOP_TOOLS)),
+    reason="needs root, loop devices and " + ", ".join(LOOP_TOOLS))
+needs_cgroups = pytest.mark.skipif(not cgroup_version(), reason="needs root and cgroups")
+
+
+@pytest.fixture
+def source(tmp_path) -> str:
+    """A small tree of random files: two folders of two files each."""
+    root = tmp_path / "src"
+    for i in range(4):
+        folder = root / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{i}").write_bytes(os.urandom(FILE_BYTES))
+    return str(root)
+
+
+def _files(root: str) -> dict[str, bytes]:
+    found = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                found[os.path.relpath(os.path.join(folder, name), root)] = f.read()
+    return found
+
+
+def _left(folder: str) -> list[str]:
+    """Loop devices backed by a file under ``folder``, mounts under it, and what the disk made in it."""
+    found = []
+    for backing in glob.glob("/sys/block/loop*/loop/backing_file"):
+        with open(backing) as f:
+            if f.read().strip().startswith(folder):
+                found.append(backing)
+    with open("/proc/self/mounts") as f:
+        found += [line for line in f if line.split()[1].startswith(folder)]
+    return found + [name for name in ("dataset.img", "disk") if os.path.exists(os.path.join(folder, name))]
+
+
+def _sectors_read(loop: str) -> int:
+    with open(f"/sys/block/{os.path.basename(loop)}/stat") as f:
+        return int(f.read().split()[2])
+
+
+@needs_loop
+@pytest.mark.parametrize("ending", ["returns", "raises", "sigterm"])
+def test_loop_disk_holds_a_copy_and_leaves_nothing(tmp_path, source, ending):
+    work = str(tmp_path / "work")
+    os.mkdir(work)
+    expected = {"returns": contextlib.nullcontext(), "raises": pytest.raises(RuntimeError),
+                "sigterm": pytest.raises(KeyboardInterrupt)}[ending]
+    with expected:
+        with Cleanup() as cleanup:
+            disk = copy_to_loop_disk(cleanup, work, source)
+            assert _files(disk.root) == _files(source)
+            assert os.stat(disk.root).st_dev == os.makedev(*map(int, disk.device.split(":")))
+            assert len(_left(work)) == 4  # attached to the image, mounted, image and mount point
+            with open(f"/sys/block/{os.path.basename(disk.loop)}/loop/dio") as f:
+                assert f.read().strip() == "1"
+            if ending == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            if ending == "raises":
+                raise RuntimeError("the run failed")
+    assert _left(work) == []
+
+
+@needs_loop
+def test_a_failed_setup_removes_what_it_made_at_once(tmp_path, source, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage_env.shutil, "copytree", no_space)
+    with Cleanup() as cleanup:
+        with pytest.raises(OSError, match="No space"):
+            copy_to_loop_disk(cleanup, str(tmp_path), source)
+        assert _left(str(tmp_path)) == []
+
+
+@needs_loop
+def test_evict_files_drops_the_loop_disks_files_from_the_page_cache(tmp_path, source):
+    with Cleanup() as cleanup:
+        disk = copy_to_loop_disk(cleanup, str(tmp_path), source)
+        evict_files(disk.root)
+        reads = [_sectors_read(disk.loop)]
+        for _ in range(2):  # from the device, then from the page cache
+            _files(disk.root)
+            reads.append(_sectors_read(disk.loop))
+        evict_files(disk.root)
+        _files(disk.root)
+        reads.append(_sectors_read(disk.loop))
+    sectors = 4 * FILE_BYTES // 512
+    assert [reads[1] - reads[0] >= sectors, reads[2] - reads[1], reads[3] - reads[2] >= sectors] == [True, 0, True]
+
+
+@needs_loop
+@needs_cgroups
+def test_only_the_datasets_reads_are_throttled_and_counted(tmp_path, source):
+    other = tmp_path / "library.so"  # on the real disk, as libraries are
+    other.write_bytes(os.urandom(8 * FILE_BYTES))
+    work = tmp_path / "work"
+    work.mkdir()
+    with Cleanup() as cleanup:
+        disk = copy_to_loop_disk(cleanup, str(work), source)
+        evict_files(disk.root)
+        evict_files(str(tmp_path / "library.so"))
+        group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-test", cgroup_version(), disk.device, 1_000_000, 2**26)
+        files = " ".join(os.path.join(d, f) for d, _, names in os.walk(disk.root) for f in names)
+        started = time.monotonic()
+        result = run_child(["sh", "-c", f"cat {other} > /dev/null && cat {files} > /dev/null"], 60, group)
+        elapsed = time.monotonic() - started
+        counted = device_read_bytes(group.counter())
+        group.remove()
+    assert result.returncode == 0, result.stderr
+    assert 4 * FILE_BYTES <= counted <= 4 * FILE_BYTES + 64 * 1024  # the dataset, not the library
+    assert elapsed >= 0.7 * 4 * FILE_BYTES / 1_000_000  # 1 MB/s
+
+
+def test_without_losetup_it_falls_back_and_says_so(tmp_path, source, monkeypatch):
+    which = shutil.which
+    monkeypatch.setattr(storage_env.shutil, "which", lambda tool, *a, **k: None if tool == "losetup" else which(tool))
+    with Cleanup() as cleanup:
+        storage = prepare_storage("auto", source, cleanup, str(tmp_path))
+    assert storage.root == source and "FALLBACK" in storage.detail
+    if cgroup_version() and block_device(source):
+        assert (storage.mode, storage.dataset_on, storage.device) == ("cgroup", "whole disk", block_device(source))
+        assert "losetup not found" in storage.detail
+    else:
+        assert (storage.mode, storage.dataset_on) == ("emulated", "emulated store")
+
+
+def test_emulated_storage_is_taken_as_asked(tmp_path, source):
+    with Cleanup() as cleanup:
+        storage = prepare_storage("emulated", source, cleanup, str(tmp_path))
+    assert (storage.mode, storage.dataset_on, storage.root, storage.detail) == (
+        "emulated", "emulated store", source, "requested")
+
+
+HANG = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print('stuck loading libraries', file=sys.stderr, flush=True); time.sleep(600)  # hung-child")
+
+
+def test_a_hung_child_is_killed_at_its_limit_with_its_workers_and_its_output_kept():
+    started = time.monotonic()
+    result = run_child([sys.executable, "-c", HANG], 2)
+    assert time.monotonic() - started < 2 + storage_env.DRAIN_S
+    assert result.timed_out and result.returncode == -signal.SIGKILL
+    assert "stuck loading libraries" in result.stderr
+    assert _procs.command_lines(lambda cmd: "hung-child" in cmd or "time.sleep(600)" in cmd) == []
