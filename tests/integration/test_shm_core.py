@@ -154,24 +154,26 @@ def test_a_creator_killed_mid_creation_leaves_no_half_made_segment(tmp_path, mon
     assert os.listdir(_shm.shm_dir()) == []  # the dead creator's temporary is reclaimed
 
 
-def test_a_stalled_creator_never_loses_its_segment_to_another_opener():
+def test_a_stalled_creator_never_loses_its_segment_to_another_opener(monkeypatch):
     name = _name()
     slow, fast = (MinIOCache(name, n_items=8, capacity_bytes=1 << 16, fingerprint=_shm_procs.FINGERPRINT)
                   for _ in range(2))
     inside, release = threading.Event(), threading.Event()
-    initialize = slow._initialize
+    real_open = os.open
 
-    def stalled(buf):
-        inside.set()
-        release.wait(10)  # far longer than any grace an opener could give
-        initialize(buf)
+    def stall_after_creating(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_EXCL and threading.current_thread() is creator:  # the file exists, nothing else yet
+            inside.set()
+            release.wait(10)  # far longer than any grace an opener could give
+        return fd
 
-    slow._initialize = stalled
+    monkeypatch.setattr(_shm.os, "open", stall_after_creating)
     creator = threading.Thread(target=slow.stats)
     creator.start()
     inside.wait(10)
-    fast.put(0, b"first")  # creates and publishes its own while the other is stalled
-    release.set()
+    threading.Timer(1.5, release.set).start()  # longer than the grace openers used to give an empty file
+    fast.put(0, b"first")  # an opener while the creator is stalled: it must end up in the same cache
     creator.join()
     assert os.fstat(slow._segment._map_fd).st_ino == os.fstat(fast._segment._map_fd).st_ino  # one cache
     assert slow.get(0) == b"first" and slow.stats().users_alive == 2
@@ -390,9 +392,10 @@ def test_auto_counts_the_index_and_turns_the_cache_off_when_nothing_fits(tmp_pat
 @pytest.mark.slow
 def test_two_jobs_creating_caches_at_once_when_one_fits_one_succeeds(tmp_path, small_shm):
     small_shm("64m")
-    arrived, results = FileEvent(tmp_path), FileQueue(tmp_path)
-    first = _procs.spawn(_shm_procs.create_cache_and_report, _name(), 40 * 2**20, arrived, results, True)
-    second = _procs.spawn(_shm_procs.create_cache_and_report, _name(), 40 * 2**20, arrived, results, False)
+    results = FileQueue(tmp_path)
+    a, b = ([FileEvent(tmp_path) for _ in range(2)] for _ in range(2))
+    first = _procs.spawn(_shm_procs.create_cache_and_report, _name(), 40 * 2**20, a, b, results)
+    second = _procs.spawn(_shm_procs.create_cache_and_report, _name(), 40 * 2**20, b, a, results)
     outcomes = sorted([results.get(timeout=_procs.JOIN_TIMEOUT) for _ in range(2)], key=lambda r: r != "ok")
     _procs.join_ok(first, second)
     assert outcomes[0] == "ok", outcomes
