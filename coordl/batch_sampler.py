@@ -43,9 +43,10 @@ class _PassCheckpoints:
         if current is None or current.rng is None:
             return resume_state.boundary_state(current.created_rng if current is not None else
                                                self.rng_sources().capture(with_global=False))
+        ran_out = current.exhausted and consumed is None  # else the plan may run out before the loop has it all
         consumed = current.handed if consumed is None else current.skipped + consumed
         batches = self._length()
-        if current.exhausted or (batches is not None and consumed >= batches):
+        if ran_out or (batches is not None and consumed >= batches):
             return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
         return resume_state.pass_state(current.rng, consumed, batches)
 
@@ -69,6 +70,7 @@ class _PassCheckpoints:
                           f"next epoch.", stacklevel=2)
             self.rng_sources().restore(saved["rng"], what=what)
             return
+        self.rng_sources().check(saved["rng"], what=what)
         self._resume = saved
 
     def _infinite(self) -> bool:

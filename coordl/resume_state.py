@@ -56,16 +56,20 @@ class RngSources:
             state["global"] = torch.get_rng_state()
         return state
 
-    def restore(self, state: dict, *, what: str) -> None:
-        """Set the generators and epochs to ``state`` (``what`` names the loader's part, for errors)."""
+    def check(self, state: dict, *, what: str) -> None:
+        """ValueError unless ``state`` was captured from sources like these (``what`` loads it)."""
         generators, holders = _generators(*self.parts), _epoch_holders(*self.parts)
         if len(generators) != len(state["generators"]) or len(holders) != len(state["epochs"]):
             raise ValueError(f"{what}: the state was saved with {len(state['generators'])} generator(s) and "
                              f"{len(state['epochs'])} epoch-seeded sampler(s); this loader has {len(generators)} "
                              f"and {len(holders)}. Resume with the loader's sampler, shuffle and generator settings.")
-        for generator, saved in zip(generators, state["generators"]):
+
+    def restore(self, state: dict, *, what: str) -> None:
+        """Set the generators and epochs to ``state``."""
+        self.check(state, what=what)
+        for generator, saved in zip(_generators(*self.parts), state["generators"]):
             generator.set_state(saved)
-        for holder, epoch in zip(holders, state["epochs"]):
+        for holder, epoch in zip(_epoch_holders(*self.parts), state["epochs"]):
             holder.set_epoch(epoch)
 
 
