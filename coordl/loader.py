@@ -120,6 +120,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             error says so) or should not be: jobs with equal keys share batches whatever those are.
             The dataset and batch settings are still compared. Defaults to None: compare them.
 
+    ``state_dict()``/``load_state_dict()`` checkpoint the loader mid-epoch, as torchdata's
+    ``StatefulDataLoader`` does (see README "Checkpointing mid-epoch" for what is and isn't restored).
+
     Example::
 
         loader = coordl.DataLoader(ImageFolder(root, transform=train_tf), batch_size=256,
