@@ -40,6 +40,8 @@ class _PassCheckpoints:
         current = self.latest
         if self._infinite():
             return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
+        if current is not None and current.rng is None and current.pending is not None:
+            return resume_state.pass_state(current.pending["rng"], current.skipped, current.pending["batches"])
         if current is None or current.rng is None:
             return resume_state.boundary_state(current.created_rng if current is not None else
                                                self.rng_sources().capture(with_global=False))
@@ -152,8 +154,8 @@ class EpochPass:
     batches consumed (see NOTE [ Resuming a pass ] in ``resume_state``).
 
     Attributes: ``rng`` (what its plan was drawn from, once started), ``created_rng`` (the generators at
-    ``iter()``, before torch draws its base seed), ``skipped`` and ``handed`` (batches, the skipped
-    included), ``exhausted`` (its plan ran out).
+    ``iter()``, before torch draws its base seed), ``pending`` (the saved pass it resumes, or None),
+    ``skipped`` and ``handed`` (batches, the skipped included), ``exhausted`` (its plan ran out).
     """
 
     def __init__(self, sampler: EpochBatchSampler):
@@ -161,14 +163,14 @@ class EpochPass:
         previous = sampler.latest
         if previous is not None and previous.rng is None and sampler._resume is None:
             # torch's multi-process iterator calls iter() twice before drawing: the first pass was never started
-            self._resume, self._global_before, self.created_rng = \
-                previous._resume, previous._global_before, previous.created_rng
+            self.pending, self._global_before, self.created_rng = \
+                previous.pending, previous._global_before, previous.created_rng
         else:
-            self._resume, sampler._resume = sampler._resume, None
-            self._global_before = torch.get_rng_state() if self._resume is not None else None
-            self.created_rng = sampler.rng_sources().capture(with_global=False) if self._resume is None else None
+            self.pending, sampler._resume = sampler._resume, None
+            self._global_before = torch.get_rng_state() if self.pending is not None else None
+            self.created_rng = sampler.rng_sources().capture(with_global=False) if self.pending is None else None
         self.rng, self.exhausted = None, False
-        self.skipped = self.handed = self._resume["consumed"] if self._resume is not None else 0
+        self.skipped = self.handed = self.pending["consumed"] if self.pending is not None else 0
         sampler.latest = self
 
     def __iter__(self):
@@ -176,7 +178,7 @@ class EpochPass:
 
     def _draw(self):
         """This pass's batches: drawn as torch would, or the rest of a saved pass."""
-        sampler, saved = self.sampler, self._resume
+        sampler, saved = self.sampler, self.pending
         if saved is None:
             self.rng = sampler.rng_sources().capture(with_global=True)
             return sampler.plain_batches()

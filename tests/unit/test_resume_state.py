@@ -215,3 +215,15 @@ def test_wrong_states_are_refused_with_what_to_do():
         _loader(dataset=Stream()).load_state_dict(state)
     assert list(it)  # an iterable dataset's state at the boundary loads
     _loader(dataset=Stream()).load_state_dict(loader.state_dict())
+
+
+def test_a_state_taken_again_before_the_resumed_pass_starts_is_the_saved_one():
+    full = _uninterrupted(1, shuffle=True, generator=True)
+    _, state, rng = _interrupted(3, shuffle=True, generator=True)
+    loader = _loader(shuffle=True, generator=True)
+    loader.load_state_dict(state)
+    it = iter(loader)  # in-process: the pass starts at the first next()
+    again = copy.deepcopy(loader.state_dict())
+    assert again["pass"]["consumed"] == 3
+    assert _resumed(again, rng, 1, shuffle=True, generator=True) == [full[0][3:]]
+    assert [_plain(b) for b in it] == full[0][3:]
