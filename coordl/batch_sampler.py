@@ -10,12 +10,83 @@ batch consumed after the plan is exhausted); the :class:`EpochPass` turns those 
 epoch's start, plan and end, reported to the loader's ``epochs`` (an :class:`~coordl.epoch_ledger.EpochLedger`).
 The pass starts on its first ``next()``, not at ``iter()``: torch draws its base seed in between, so
 a plan drawn later uses the generator exactly as torch's own iterator would.
+
+The batch sampler is also where a loader's position is checkpointed (``state_dict``/``load_state_dict``,
+see NOTE [ Resuming a pass ] in ``resume_state``), so torchdata's ``StatefulDataLoader`` (and Accelerate's
+``use_stateful_dataloader``), which save and restore a ``Stateful`` batch sampler, resume it too.
 """
 
+import warnings
+
 import torch.utils.data
+from torch.utils.data.dataloader import _InfiniteConstantSampler
+
+from coordl import resume_state
 
 
-class EpochBatchSampler(torch.utils.data.BatchSampler):
+class _PassCheckpoints:
+    """``state_dict``/``load_state_dict`` of a sampler whose passes are epochs: the position of its latest
+    pass (see NOTE [ Resuming a pass ] in ``resume_state``). Needs ``rng_sources()``, ``latest``, ``_resume``."""
+
+    def state_dict(self) -> dict:
+        """Where the latest pass is, counting the batches it handed torch as consumed: right when torch's
+        iterator asks (torchdata snapshots the batch sampler as it draws each batch, and in-process
+        loading draws each batch as it is consumed)."""
+        return self.resume_state()
+
+    def resume_state(self, consumed: int | None = None) -> dict:
+        """Where the latest pass is once the training loop has had ``consumed`` of its batches (None: as
+        many as the pass handed torch). A pass not started, run out or wholly consumed is a boundary."""
+        current = self.latest
+        if self._infinite():
+            return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
+        if current is not None and current.rng is None and current.pending is not None:
+            return resume_state.pass_state(current.pending["rng"], current.skipped, current.pending["batches"])
+        if current is None or current.rng is None:
+            return resume_state.boundary_state(current.created_rng if current is not None else
+                                               self.rng_sources().capture(with_global=False))
+        ran_out = current.exhausted and consumed is None  # else the plan may run out before the loop has it all
+        consumed = current.handed if consumed is None else current.skipped + consumed
+        batches = self._length()
+        if ran_out or (batches is not None and consumed >= batches):
+            return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
+        return resume_state.pass_state(current.rng, consumed, batches)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` (from ``state_dict``): the next pass yields the rest of the saved one, or,
+        from a boundary, the next epoch, as the saved loader would have."""
+        what = type(self).__name__
+        state = resume_state.checked(state, what)
+        saved = state["pass"]
+        self._resume = None
+        if saved is None:
+            self.rng_sources().restore(state["rng"], what=what)
+            return
+        batches = self._length()
+        if saved["batches"] is not None and batches is not None and saved["batches"] != batches:
+            raise ValueError(f"{what}.load_state_dict: the state was saved in an epoch of {saved['batches']} batches; "
+                             f"this loader's epochs have {batches}. Resume with the same dataset and batch settings.")
+        if getattr(self.epochs, "group", None) is not None:
+            warnings.warn(f"{what}.load_state_dict: a loader in an hp_group resumes at epoch boundaries; this state "
+                          f"was saved after {saved['consumed']} batches of an epoch, so it goes on with the group's "
+                          f"next epoch.", stacklevel=2)
+            self.rng_sources().restore(saved["rng"], what=what)
+            return
+        self.rng_sources().check(saved["rng"], what=what)
+        self._resume = saved
+
+    def _infinite(self) -> bool:
+        """An iterable dataset's sampler: its position is the dataset iterator's, which coordl does not see."""
+        return isinstance(self.sampler, _InfiniteConstantSampler)
+
+    def _length(self) -> int | None:
+        try:
+            return len(self)
+        except TypeError:
+            return None
+
+
+class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
     """torch's ``BatchSampler`` over ``sampler`` whose passes are coordl's epochs.
 
     Args:
@@ -23,18 +94,22 @@ class EpochBatchSampler(torch.utils.data.BatchSampler):
         epochs: the loader's epoch ledger (set by ``coordl.DataLoader``; a sampler re-created by a framework
             from these three arguments gets it when handed to a coordl loader). Defaults to None: plain batches.
         batches: another batch sampler to draw batches from instead of ``sampler`` (a user's ``batch_sampler=``).
+        generator: the loader's ``generator`` (torch draws its base seeds from it), for checkpoints.
 
     Attributes torch and frameworks read (``sampler``, ``batch_size``, ``drop_last``) are those of a
     ``BatchSampler``, and ``len()`` is the pass's number of batches.
     """
 
-    def __init__(self, sampler, batch_size: int, drop_last: bool, *, epochs=None, batches=None):
+    def __init__(self, sampler, batch_size: int, drop_last: bool, *, epochs=None, batches=None, generator=None):
         if batches is None:
             super().__init__(sampler, batch_size, drop_last)
         else:
             self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
         self.batches = batches
         self.epochs = epochs
+        self.generator = generator
+        self.latest: EpochPass | None = None
+        self._resume: dict | None = None
 
     def plain_batches(self):
         """This pass's batches as torch would draw them (lists of indices)."""
@@ -46,13 +121,18 @@ class EpochBatchSampler(torch.utils.data.BatchSampler):
     def __len__(self) -> int:
         return len(self.batches) if self.batches is not None else super().__len__()
 
+    def rng_sources(self) -> resume_state.RngSources:
+        return resume_state.RngSources(self.generator, self.sampler, self.batches, getattr(self.batches, "sampler", None))
 
-class EpochSampler(torch.utils.data.Sampler):
+
+class EpochSampler(_PassCheckpoints, torch.utils.data.Sampler):
     """The sampler of an unbatched loader (``batch_size=None``), whose passes are epochs as in
     :class:`EpochBatchSampler`."""
 
-    def __init__(self, sampler, epochs):
-        self.sampler, self.epochs = sampler, epochs
+    def __init__(self, sampler, epochs, *, generator=None):
+        self.sampler, self.epochs, self.generator = sampler, epochs, generator
+        self.latest: EpochPass | None = None
+        self._resume: dict | None = None
 
     def plain_batches(self):
         return iter(self.sampler)
@@ -63,26 +143,60 @@ class EpochSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return len(self.sampler)
 
+    def rng_sources(self) -> resume_state.RngSources:
+        return resume_state.RngSources(self.generator, self.sampler)
+
 
 class EpochPass:
     """One pass over an :class:`EpochBatchSampler`: starts the epoch on its first ``next()``, yields the
     epoch's plan, and reports each call after the plan is exhausted (see NOTE [ Behaviour in the
-    carried-over objects ])."""
+    carried-over objects ]). A pass after ``load_state_dict`` replays the saved one and skips the
+    batches consumed (see NOTE [ Resuming a pass ] in ``resume_state``).
+
+    Attributes: ``rng`` (what its plan was drawn from, once started), ``created_rng`` (the generators at
+    ``iter()``, before torch draws its base seed), ``pending`` (the saved pass it resumes, or None),
+    ``skipped`` and ``handed`` (batches, the skipped included), ``exhausted`` (its plan ran out).
+    """
 
     def __init__(self, sampler: EpochBatchSampler):
         self.sampler, self._plan = sampler, None
+        previous = sampler.latest
+        if previous is not None and previous.rng is None and sampler._resume is None:
+            # torch's multi-process iterator calls iter() twice before drawing: the first pass was never started
+            self.pending, self._global_before, self.created_rng = \
+                previous.pending, previous._global_before, previous.created_rng
+        else:
+            self.pending, sampler._resume = sampler._resume, None
+            self._global_before = torch.get_rng_state() if self.pending is not None else None
+            self.created_rng = sampler.rng_sources().capture(with_global=False) if self.pending is None else None
+        self.rng, self.exhausted = None, False
+        self.skipped = self.handed = self.pending["consumed"] if self.pending is not None else 0
+        sampler.latest = self
 
     def __iter__(self):
         return self
 
+    def _draw(self):
+        """This pass's batches: drawn as torch would, or the rest of a saved pass."""
+        sampler, saved = self.sampler, self.pending
+        if saved is None:
+            self.rng = sampler.rng_sources().capture(with_global=True)
+            return sampler.plain_batches()
+        self.rng = saved["rng"]
+        plan = resume_state.replay(sampler.rng_sources(), self.rng, sampler.plain_batches)
+        torch.set_rng_state(self._global_before)  # undo the base seed torch drew for this pass: the saved run drew it
+        return plan[self.skipped:]
+
     def __next__(self) -> list[int]:
         epochs = self.sampler.epochs
         if self._plan is None:
-            self._plan = iter(epochs.begin(self, self.sampler.plain_batches()))
+            self._plan = iter(epochs.begin(self, self._draw()))
         try:
             batch = next(self._plan)
         except StopIteration:
+            self.exhausted = True
             epochs.exhausted(self)
             raise
+        self.handed += 1
         epochs.planned(self, batch)
         return batch

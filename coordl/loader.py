@@ -16,6 +16,7 @@ import weakref
 from typing import TypeVar
 
 import torch.utils.data
+from torch.utils.data.dataloader import _DatasetKind
 from tqdm.auto import tqdm
 
 from coordl._constants import DEFAULT_GROUP_TIMEOUT_S
@@ -119,6 +120,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             error says so) or should not be: jobs with equal keys share batches whatever those are.
             The dataset and batch settings are still compared. Defaults to None: compare them.
 
+    ``state_dict()``/``load_state_dict()`` checkpoint the loader mid-epoch, as torchdata's
+    ``StatefulDataLoader`` does (see README "Checkpointing mid-epoch" for what is and isn't restored).
+
     Example::
 
         loader = coordl.DataLoader(ImageFolder(root, transform=train_tf), batch_size=256,
@@ -217,16 +221,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if ledger.feed is not None:
             self.dataset.feed = ledger
             object.__setattr__(self, "collate_fn", PreparedCollate(self.collate_fn))
-        bs = self.batch_sampler
+        bs, generator = self.batch_sampler, self.generator
         if bs is None:
-            object.__setattr__(self, "sampler", EpochSampler(self.sampler, ledger))
+            object.__setattr__(self, "sampler", EpochSampler(self.sampler, ledger, generator=generator))
         elif isinstance(bs, torch.utils.data.BatchSampler) and type(bs) is torch.utils.data.BatchSampler:
             object.__setattr__(self, "batch_sampler", EpochBatchSampler(bs.sampler, bs.batch_size, bs.drop_last,
-                                                                        epochs=ledger))
+                                                                        epochs=ledger, generator=generator))
         else:  # the user's own batch sampler: drawn as it is
             object.__setattr__(self, "batch_sampler", EpochBatchSampler(
                 getattr(bs, "sampler", self.sampler), getattr(bs, "batch_size", None),
-                getattr(bs, "drop_last", False), epochs=ledger, batches=bs))
+                getattr(bs, "drop_last", False), epochs=ledger, batches=bs, generator=generator))
 
     def _shuffled(self) -> bool:
         return isinstance(self.sampler, torch.utils.data.RandomSampler)
@@ -238,6 +242,32 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         inner = super().__iter__()
         self._last_pass = weakref.ref(inner)
         return _EpochIterator(self, inner)
+
+    def state_dict(self) -> dict:
+        """This loader's position, for a checkpoint: the batches of the epoch in progress the training loop
+        has had, and what its order was drawn from (see README "Checkpointing mid-epoch")."""
+        latest = self.__dict__.get("_last_pass")
+        inner, index_sampler = latest() if latest is not None else None, self._index_sampler
+        ours = inner is not None and index_sampler.latest is not None and inner._sampler_iter is index_sampler.latest
+        state = index_sampler.resume_state(inner._num_yielded if ours else None)
+        running = self.epoch_ledger.current
+        if ours and self._dataset_kind == _DatasetKind.Iterable and running is not None \
+                and running.owner is index_sampler.latest:
+            state["iterable_batches"] = inner._num_yielded
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` (from :meth:`state_dict`, in this or another process): the next pass yields
+        the rest of the saved epoch, then the following epochs, as the saved loader would have. ``{}``
+        changes nothing."""
+        if state == {}:
+            return
+        if state.get("iterable_batches"):
+            raise ValueError(f"load_state_dict: this state was saved {state['iterable_batches']} batches into an epoch "
+                             f"of an IterableDataset ({type(self.dataset).__name__}), whose position is its own "
+                             f"iterator's; coordl resumes map-style datasets mid-epoch, iterable ones at epoch "
+                             f"boundaries (save after an epoch ends).")
+        self._index_sampler.load_state_dict(state)
 
     def _fresh_counters(self) -> None:
         """A pass that starts its own workers (or fetches in-process) counts in a fresh table, so samples
@@ -330,7 +360,9 @@ class _EpochIterator:
         self._running = None
         # Frameworks such as Lightning stop after len(loader) batches without asking for one more,
         # so a map-style epoch (whose length is exact) is complete at its last batch.
-        self._last_batch = None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else len(inner)
+        current = loader._index_sampler.latest  # a resumed pass skips the batches consumed before its checkpoint
+        self._last_batch = None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else \
+            len(inner) - (current.skipped if current is not None else 0)
         self._delivered = 0
         self._bar = None
         if loader.progress:
