@@ -164,7 +164,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
         self.hp_group_key = hp_group_key
-        wrapped = wrap_dataset(dataset, capacity=capacity, cache_bytes=cache_bytes, cache_name=cache_name,
+        wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
                                decode=not use_dali, storage=storage)
         dali = None
@@ -253,7 +253,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """Once: make a growing cache leave room in /dev/shm for torch's worker-to-main batches, measured
         from this first batch (workers x prefetch_factor batches in flight)."""
         cache = getattr(self.dataset, "cache", None)
-        if self.__dict__.get("_room_kept") or cache is None or cache.preallocate or not self.num_workers:
+        if self.__dict__.get("_room_kept") or cache is None or cache.require_capacity or not self.num_workers:
             return
         self._room_kept = True
         in_flight = self.num_workers * (self.prefetch_factor or 2) * _tensor_bytes(batch)
