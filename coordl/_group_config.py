@@ -10,7 +10,8 @@ from coordl._shm import free_shm_bytes
 from coordl._sizes import format_bytes, parse_size_option
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset
-from coordl.raw_datasets import fingerprint_files
+from coordl.raw_datasets import dataset_identity
+from coordl.storage import FileStorage
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,8 @@ def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, 
                    collate_fn, dali, key: str | None, content: bool) -> dict[str, str]:
     """What every member of a group must share: ``{setting: description}``.
 
-    The dataset is identified by its type, length and, for datasets of files, their fingerprint (see
-    :func:`fingerprint_files`; ``content`` hashes the files' bytes); its transforms and ``collate_fn``
+    The dataset is identified by its type, length and, for datasets of files, their identity (see
+    :func:`dataset_identity`; ``content`` hashes the files' bytes); its transforms and ``collate_fn``
     by what defines them (see :mod:`coordl._describe`). With the DALI backend (``dali``, the loader's
     ``DaliBackend``) its pipeline function, device and mode stand for ``collate_fn``. ``key``
     (``hp_group_key=``), if given, stands for the transforms, ``collate_fn`` and pipeline function.
@@ -87,10 +88,10 @@ def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, 
             and no ``key`` is given.
     """
     user = dataset.dataset
-    if dataset.fingerprint is None and dataset.source is not None:
-        dataset.fingerprint = fingerprint_files([dataset.source.raw_key(i) for i in range(len(dataset.source))],
-                                                content=content)
-    files = f", files {dataset.fingerprint[0].hex()[:16]}" if dataset.fingerprint is not None else ""
+    if dataset.identity is None and dataset.source is not None:
+        dataset.identity = dataset_identity(dataset.source, local=isinstance(dataset.storage, FileStorage),
+                                            content=content)
+    files = f", files {dataset.identity.hex()[:16]}" if dataset.identity is not None else ""
     settings = {
         "dataset": f"{type(user).__module__}.{type(user).__qualname__} of {len(user)} samples{files}",
         "batch_size": str(batch_size),

@@ -230,25 +230,28 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int, full_error: Callable, *, initialize: Callable,
-               allocate: int | None = None, holder_info: bool = True) -> "Segment | None":
+               allocate: int | None = None, require: int | None = None,
+               holder_info: bool = True) -> "Segment | None":
         """Create segment ``name`` of ``size`` bytes, ``initialize(buf)`` it, publish it; None if it exists.
 
         The first ``allocate`` bytes (all by default) are allocated for real, so writes there can never
         SIGBUS on a full file system (see :meth:`allocate`). The caller holds the mutex on return.
 
         Raises:
-            Exception: ``full_error(bytes needed, bytes free)``, the caller's message, if the allocation
-                does not fit (checked under the directory lock, so the numbers are consistent).
+            Exception: ``full_error(bytes needed, bytes free)``, the caller's message, if the file system
+                has less than ``require`` bytes (default: ``allocate``) free, or the allocation does not
+                fit (checked under the directory lock, so the numbers are consistent).
         """
         allocate = size if allocate is None else allocate
+        require = allocate if require is None else require
         path = segment_path(name)
         temp = f"{path}{_TEMP_MARK}{secrets.token_hex(4)}"
         with _DirLock():
             if os.path.exists(path):
                 return None
             free = free_shm_bytes()
-            if allocate > free:
-                raise full_error(allocate, free)
+            if require > free:
+                raise full_error(require, free)
             map_fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             lock_fd = -1
             try:
@@ -264,7 +267,7 @@ class Segment:
                     if fd >= 0:
                         os.close(fd)
                 if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise full_error(allocate, free_shm_bytes()) from e
+                    raise full_error(require, free_shm_bytes()) from e
                 raise
         segment = cls(name, path, map_fd, lock_fd, mm, holder_info=holder_info)
         segment._thread_lock.acquire()

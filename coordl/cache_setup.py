@@ -1,8 +1,10 @@
 """A loader's fetch path: the user's dataset behind the cache of its files, named and sized.
 
 What ``coordl.DataLoader`` builds before torch sees the dataset: the raw-bytes view of the dataset,
-the identity (fingerprint, name) and size of its node-wide cache, and the storage misses are read
-from. See minio_cache NOTE [ Sizing ] for how ``"auto"`` grows.
+the identity (``dataset_identity``, which names it) and size of its node-wide cache, and the storage
+misses are read from. Nothing here reads or stats every file: building a loader costs about what
+building the user's dataset does (see docs/benchmarks.md). See minio_cache NOTE [ Sizing ] for how
+caches grow.
 """
 
 import logging
@@ -17,7 +19,7 @@ from coordl._sizes import format_bytes
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.minio_cache import MinIOCache, cache_segment_name, index_bytes
-from coordl.raw_datasets import ConcatSource, SubsetSource, fingerprint_files, raw_source
+from coordl.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
 from coordl.storage import FileStorage
 
 logger = logging.getLogger(__name__)
@@ -26,19 +28,21 @@ CACHE_VERIFY = ("stat", "content")
 _warned: set = set()
 
 
-def auto_capacity(dataset_bytes: int, n_items: int) -> tuple[int, int]:
+def auto_capacity(n_items: int) -> tuple[int, int]:
     """``cache_bytes="auto"``: (capacity, bytes of the shm file system a growing cache keeps free).
 
-    The least of the dataset, a share of available memory, and what the shm file system has free
-    beside the cache's index and the bytes kept free (a share of its size, for other jobs and for
-    torch's worker-to-main batches until the loader has measured them). 0 when nothing fits.
+    The lesser of a share of available memory and what the shm file system has free beside the
+    cache's index and the bytes kept free (a share of its size, for other jobs and for torch's
+    worker-to-main batches until the loader has measured them). 0 when nothing fits. The dataset's
+    size is not known (that would stat every file): the cache grows as it fills, so it never takes
+    more than the dataset.
     """
     memory, free, index = available_memory_bytes(), free_shm_bytes(), index_bytes(n_items)
     keep = int(AUTO_CACHE_SHM_KEEP_FRACTION * total_shm_bytes())
-    capacity = max(0, int(min(dataset_bytes, AUTO_CACHE_MEMORY_FRACTION * memory, free - index - keep)))
-    logger.info("Because cache_bytes was not given, using %s: the least of the dataset (%s), %d%% of available "
-                "memory (%s) and the free space of %s (%s) less the cache's index (%s) and %s kept free for other "
-                "jobs and torch's in-flight batches.", format_bytes(capacity), format_bytes(dataset_bytes),
+    capacity = max(0, int(min(AUTO_CACHE_MEMORY_FRACTION * memory, free - index - keep)))
+    logger.info("Because cache_bytes was not given, using up to %s, as the dataset fills it: the lesser of %d%% of "
+                "available memory (%s) and the free space of %s (%s) less the cache's index (%s) and %s kept free "
+                "for other jobs and torch's in-flight batches.", format_bytes(capacity),
                 AUTO_CACHE_MEMORY_FRACTION * 100, format_bytes(memory), shm_dir(), format_bytes(free),
                 format_bytes(index), format_bytes(keep))
     return capacity, keep
@@ -51,20 +55,19 @@ def _warn_once(key, message: str) -> None:
         warnings.warn(message, stacklevel=5)
 
 
-def wrap_dataset(dataset, *, capacity: int | None, cache_bytes, cache_name: str | None, cache_verify: str,
+def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache_verify: str,
                  drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None):
     """The dataset torch will see: the user's dataset behind coordl's fetch path, or the user's dataset
     itself when coordl cannot cache it (it then loads as with torch, and coordl says so once).
 
     Args:
-        capacity: the cache's size in bytes, None for ``"auto"``, 0 for no cache (``cache_bytes`` as given,
-            for messages).
+        capacity: the cache's size in bytes, None for ``"auto"``, 0 for no cache.
         decode: whether samples are decoded by the dataset's own code (False: the DALI backend decodes).
         storage: where misses are read from (a ``coordl.storage.Storage``). Defaults to local files.
     """
-    fingerprint = None
+    identity = None
     if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
-        fingerprint, dataset = dataset.fingerprint, dataset.dataset
+        identity, dataset = dataset.identity, dataset.dataset
     source, why = raw_source(dataset, decode=decode)
     if source is None:
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
@@ -73,13 +76,12 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_bytes, cache_name: str 
         return dataset
     cache = None
     if capacity != 0:
-        if fingerprint is None:
-            fingerprint = fingerprint_files([source.raw_key(i) for i in range(len(source))],
-                                            content=cache_verify == "content")
-        cache = open_cache(dataset, source, fingerprint, capacity, cache_bytes=cache_bytes, cache_name=cache_name)
+        if identity is None:
+            identity = dataset_identity(source, local=storage is None, content=cache_verify == "content")
+        cache = open_cache(dataset, source, identity, capacity, cache_name=cache_name)
     drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
     return CachedDataset(dataset, source, cache, storage if storage is not None else FileStorage(drop_page_cache=drop),
-                         SampleCounters(num_workers + 1), fingerprint)
+                         SampleCounters(num_workers + 1), identity)
 
 
 def _cache_label(dataset, source, cache_name: str | None) -> str:
@@ -98,28 +100,22 @@ def _folder(source) -> str:
     return os.path.abspath(root or os.path.dirname(source.raw_key(0)))
 
 
-def open_cache(dataset, source, fingerprint: tuple[bytes, int], capacity: int | None, *, cache_bytes,
-               cache_name: str | None) -> MinIOCache | None:
-    """The node's cache for ``source``, the raw bytes of the user's ``dataset`` (attached now, so a full
-    /dev/shm fails here), or None."""
-    digest, dataset_bytes = fingerprint
-    preallocate, keep = capacity is not None, 0
+def open_cache(dataset, source, identity: bytes, capacity: int | None, *, cache_name: str | None) -> MinIOCache | None:
+    """The node's cache for ``source``, the raw bytes of the user's ``dataset`` (attached now, so a
+    /dev/shm without room for an explicit ``capacity`` fails here), or None."""
+    explicit, keep = capacity is not None, 0
     if capacity is None:
-        capacity, keep = auto_capacity(dataset_bytes, len(source))
+        capacity, keep = auto_capacity(len(source))
         if capacity == 0:
             _warn_once(("no room", shm_dir()),
                        f"coordl: {shm_dir()} has no room for a cache of this dataset ({format_bytes(free_shm_bytes())} "
                        f"free, {format_bytes(index_bytes(len(source)))} needed for its index alone), so it loads "
                        f"uncached. Enlarge it (docker: --shm-size) or pass cache_bytes=0 to silence this.")
             return None
-    elif capacity > dataset_bytes:
-        logger.info("cache_bytes=%s exceeds the dataset (%s): using %s.", cache_bytes,
-                    format_bytes(dataset_bytes), format_bytes(dataset_bytes))
-        capacity = dataset_bytes
-    if capacity == 0:
+    if len(source) == 0:
         return None
-    label = _cache_label(dataset, source, cache_name)  # not empty: capacity > 0
-    cache = MinIOCache(cache_segment_name(cache_name or digest.hex()), n_items=len(source), capacity_bytes=capacity,
-                       fingerprint=digest, label=label, preallocate=preallocate, keep_free_bytes=keep)
+    label = _cache_label(dataset, source, cache_name)  # not empty: len(source) > 0
+    cache = MinIOCache(cache_segment_name(cache_name or identity.hex()), n_items=len(source), capacity_bytes=capacity,
+                       fingerprint=identity, label=label, require_capacity=explicit, keep_free_bytes=keep)
     cache.stats()
     return cache

@@ -17,11 +17,12 @@ from coordl.minio_cache import MinIOCache
 from coordl.raw_datasets import RawBytesDataset
 from coordl.storage import Storage
 
-COUNTER_FIELDS = ("samples", "hits", "misses", "cache_bytes", "storage_bytes")
-"""Per-sample counters: samples returned, cache hits, storage reads, bytes from cache, bytes from storage."""
-_SAMPLES, _HITS, _MISSES, _CACHE_BYTES, _STORAGE_BYTES = range(len(COUNTER_FIELDS))
+COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes")
+"""Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
+out of date, bytes from cache, bytes from storage."""
+_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES = range(len(COUNTER_FIELDS))
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
-_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "fingerprint", "feed"))
+_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
@@ -83,8 +84,8 @@ class CachedDataset(torch.utils.data.Dataset):
         cache: the node's MinIO cache for this dataset, or None.
         storage: where misses are read from.
         counters: shared counters to record hits, misses and bytes in.
-        fingerprint: (digest, total bytes) of the dataset's files, kept so that a loader
-            re-created from this one (Lightning, Accelerate) does not stat every file again.
+        identity: ``raw_datasets.dataset_identity`` of the dataset's files (names its cache), kept so
+            that a loader re-created from this one (Lightning, Accelerate) names the same cache.
 
     With a feed (``feed``, set by the loader: see ``epoch_ledger`` NOTE [ Feeds ]), ``__getitems__`` hands
     out the feed's prepared batches instead of fetching samples. A feed lives in the training process:
@@ -92,13 +93,13 @@ class CachedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset, source: RawBytesDataset | None, cache: MinIOCache | None,
-                 storage: Storage, counters: SampleCounters, fingerprint: tuple[bytes, int] | None):
+                 storage: Storage, counters: SampleCounters, identity: bytes | None):
         self.dataset = dataset
         self.source = source
         self.cache = cache
         self.storage = storage
         self.counters = counters
-        self.fingerprint = fingerprint
+        self.identity = identity
         self.feed = None
 
     def __getstate__(self) -> dict:
@@ -108,7 +109,7 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def unfed(self) -> "CachedDataset":
         """The same fetch path without the feed: what prepares the feed's batches loads through it."""
-        return CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.fingerprint)
+        return CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.identity)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -135,23 +136,34 @@ class CachedDataset(torch.utils.data.Dataset):
             self.cache.close()
 
     def fetch(self, index: int, row: np.ndarray) -> bytes:
-        """Raw bytes of sample ``index``: from the cache, else from storage (then offered to the cache)."""
-        if self.cache is not None and torch.utils.data.get_worker_info() is not None:
-            exit_when_orphaned(self._release)
-        raw = self.cache.get(index) if self.cache is not None else None
-        if raw is not None:
-            row[_HITS] += 1
-            row[_CACHE_BYTES] += len(raw)
-            return raw
-        key = self.source.raw_key(index)
+        """Raw bytes of sample ``index``: from the cache, else from storage (then offered to the cache).
+
+        With a storage that stamps its files (``FileStorage``), a cached item is served only while its
+        file's stamp (one ``stat``) is the one it was cached with: else (edited, replaced, a link
+        re-pointed, gone) it is read from storage and counted ``stale``; the cache keeps the old bytes
+        (never rewritten under readers) and serves them to no one.
+        """
+        cache, key = self.cache, self.source.raw_key(index)
+        stamped = getattr(self.storage, "read_stamped", None)
+        if cache is not None:
+            if torch.utils.data.get_worker_info() is not None:
+                exit_when_orphaned(self._release)
+            raw = cache.get(index)
+            if raw is not None:
+                if stamped is None or self.storage.stamp(key) == cache.stamp(index):
+                    row[_HITS] += 1
+                    row[_CACHE_BYTES] += len(raw)
+                    return raw
+                row[_STALE] += 1
+                cache = None  # taken: the fresh bytes have nowhere to go
         try:
-            raw = self.storage.read(key)
+            raw, stamp = stamped(key) if stamped is not None else (self.storage.read(key), None)
         except OSError as e:
             raise SampleError(f"cannot read sample {index} ({key}): {e.strerror or e}") from e
         row[_MISSES] += 1
         row[_STORAGE_BYTES] += len(raw)
-        if self.cache is not None:
-            self.cache.put(index, raw)
+        if cache is not None and (stamp is not None or stamped is None):
+            cache.put(index, raw, stamp)
         return raw
 
     def __getitem__(self, index: int) -> Any:

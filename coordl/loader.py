@@ -68,18 +68,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     Args:
         cache_bytes: size of the cache. An int (numpy integers too), a string such as ``"8GiB"``,
             ``"auto"`` or 0 (off); a fraction of a byte (``"0.5"``) is refused, a fraction of a larger
-            unit rounded down. ``"auto"`` takes the least of the dataset's size, 50% of available
-            memory and the free space of /dev/shm less the cache's index, and grows only while
-            /dev/shm keeps room for torch's in-flight batches and other jobs (an explicit size is
-            allocated up front). Defaults to ``"auto"``.
+            unit rounded down. Either way the cache is allocated as it fills, never past the dataset.
+            ``"auto"`` takes the lesser of 50% of available memory and the free space of /dev/shm
+            less the cache's index, and grows only while /dev/shm keeps room for torch's in-flight
+            batches and other jobs; an explicit size fails here if /dev/shm has not that much free.
+            Defaults to ``"auto"``.
         cache_name: name under which jobs share a cache. Defaults to None: the cache is named by
-            the dataset's fingerprint (see ``cache_verify``), so jobs reading the same files share it.
-        cache_verify: how a cache is matched to the dataset's files. Its fingerprint holds each
-            file's resolved absolute path, size and, with ``"stat"``, mtime: an edit that keeps a
-            file's size and mtime (``touch -r``, a copy that preserves mtimes) goes unnoticed and the
-            cache serves the old bytes. ``"content"`` hashes each file's bytes instead of its mtime,
-            which reads the whole dataset when the loader is built (slow for large datasets).
-            Defaults to ``"stat"``.
+            the dataset's identity (see ``cache_verify``), so jobs reading the same files share it.
+        cache_verify: how a cache is matched to the dataset's files. ``"stat"``: the cache is named by
+            the dataset's length and a sample of its files (resolved paths, inodes, ctimes; no other
+            file is stat'ed when the loader is built), and each cached sample is served only while
+            one ``stat`` of its file matches the file it was cached from: one edited (even with its
+            mtime put back), replaced or re-pointed since is read from storage and counted
+            ``stale``. ``"content"`` also hashes every file's bytes into the name, which reads the
+            whole dataset when the loader is built (slow). With a custom ``storage`` cached samples
+            are served unchecked. Defaults to ``"stat"``.
         drop_page_cache: after reading a miss from storage, drop its pages from the OS page cache
             so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
         storage: where misses are read from: any object with ``read(key) -> bytes`` (keys are what
@@ -168,7 +171,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
         self.hp_group_key = hp_group_key
-        wrapped = wrap_dataset(dataset, capacity=capacity, cache_bytes=cache_bytes, cache_name=cache_name,
+        wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
                                decode=not use_dali, storage=storage)
         dali = None
@@ -283,7 +286,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """Once: make a growing cache leave room in /dev/shm for torch's worker-to-main batches, measured
         from this first batch (workers x prefetch_factor batches in flight)."""
         cache = getattr(self.dataset, "cache", None)
-        if self.__dict__.get("_room_kept") or cache is None or cache.preallocate or not self.num_workers:
+        if self.__dict__.get("_room_kept") or cache is None or cache.require_capacity or not self.num_workers:
             return
         self._room_kept = True
         in_flight = self.num_workers * (self.prefetch_factor or 2) * _tensor_bytes(batch)

@@ -11,7 +11,9 @@ One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
     mutex holder's info (``_shm.LOCK_INFO_AT``);
   * users (``MAX_CACHE_USERS`` x (pid, attach time ns)): who maps the cache, for display only;
     row ``i`` belongs to whoever holds liveness slot ``i`` (see ``_shm`` NOTE [ Locks and liveness ]);
-  * index: ``offsets`` int64[N], ``lengths`` int64[N], ``status`` int32[N] with
+  * index: ``offsets`` int64[N], ``lengths`` int64[N], ``stamps`` int64[N, 2] (the version of the
+    file each item was read from, inode and ctime, see ``storage.Stamp``; zeros without one),
+    ``status`` int32[N] with
     0 = empty, 1 = ready, 2 = orphaned (space reserved by a writer that died), -(slot + 1) = being
     written by the user in ``slot``;
   * data (``capacity`` bytes, page aligned): item bytes, packed in insertion order. The first
@@ -21,20 +23,22 @@ One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
 NOTE [ Concurrency and crashes ]
 Writers take the segment's mutex only to reserve space: the cursor moves first (a crash leaks at
 most that item's bytes), then offset and length, then ``status = -(slot + 1)``; the copy runs
-unlocked, then one aligned int32 store of ``status = 1`` publishes the item. Readers take no lock:
+unlocked (the bytes, then the stamp), then one aligned int32 store of ``status = 1`` publishes the item. Readers take no lock:
 an item is visible once ready and never moves or changes afterwards (no eviction). A slot whose
 writer died (its liveness lock is free) is *orphaned*: whoever next takes the mutex and meets it
 turns it to 2, and the next process that fetches the item rewrites it in place, also after the
 cache froze. Registration reaps dead users' rows the same way before a slot is reused.
 
 NOTE [ Sizing ]
-An explicit ``capacity_bytes`` is allocated up front (after checking free space under the shm
-directory's lock), so it fails at once if it does not fit. ``"auto"`` caches are created with only
-their index allocated and grow their data area in ``_CHUNK`` steps under the mutex, each step only
-while the shm file system keeps ``keep_free`` bytes free: room for torch's worker-to-main batches
-(measured by the loader from its first batch) and for other jobs. A step that does not fit freezes
-the cache where it is and says so once. Nothing ever SIGBUSes: bytes are written only inside the
-allocated area.
+Every cache is created with only its index allocated (allocating many GiB of tmpfs up front takes
+seconds) and grows its data area in ``_CHUNK`` steps under the mutex as the fill reaches it, so it
+never takes more than the dataset. An explicit ``capacity_bytes`` (``require_capacity``) is checked
+against the free space under the shm directory's lock when the cache is created, so a size that
+does not fit fails at once; it then grows while the file system has room. ``"auto"`` caches grow
+only while the shm file system keeps ``keep_free`` bytes free: room for torch's worker-to-main
+batches (measured by the loader from its first batch) and for other jobs. A step that does not fit
+freezes the cache where it is and says so once. Nothing ever SIGBUSes: bytes are written only
+inside the allocated area.
 
 NOTE [ Lifecycle ]
 The first process to ask for a cache creates it; others attach. Every process that maps the cache
@@ -64,7 +68,7 @@ from coordl.exceptions import CacheMismatchError, ShmCapacityError
 logger = logging.getLogger(__name__)
 
 _MAGIC = int.from_bytes(b"COORDLC1", "little")
-_VERSION = 2
+_VERSION = 3
 (_H_MAGIC, _H_VERSION, _H_READY, _H_N_ITEMS, _H_CAPACITY, _H_DATA_OFFSET, _H_CURSOR, _H_FROZEN,
  _H_CREATED_NS, _H_CREATOR_PID, _H_ALLOCATED, _H_KEEP_FREE) = range(12)
 _HEADER_FIELDS = 32
@@ -75,6 +79,7 @@ _USERS_AT = _HEADER_BYTES
 _EMPTY, _READY, _ORPHANED = 0, 1, 2
 _FULL, _SHM_SHORT = 1, 2  # why a cache froze (the _H_FROZEN value)
 _PAGE = 4096
+_STAMP_FIELDS = 2
 _CHUNK = 64 * 2**20
 _CHUNKS_PER_SHM = 64  # and at most this share of the shm file system per step
 _HANDLE_LOCKS = threading.Lock()
@@ -92,18 +97,19 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def _index_layout(n_items: int) -> tuple[int, int, int, int]:
-    """(offsets_at, lengths_at, status_at, data_at) byte positions for ``n_items`` items."""
+def _index_layout(n_items: int) -> tuple[int, int, int, int, int]:
+    """(offsets_at, lengths_at, stamps_at, status_at, data_at) byte positions for ``n_items`` items."""
     offsets_at = _USERS_AT + MAX_CACHE_USERS * 16
     lengths_at = offsets_at + 8 * n_items
-    status_at = lengths_at + 8 * n_items
+    stamps_at = lengths_at + 8 * n_items
+    status_at = stamps_at + 8 * _STAMP_FIELDS * n_items
     data_at = _round_up(status_at + 4 * n_items, _PAGE)
-    return offsets_at, lengths_at, status_at, data_at
+    return offsets_at, lengths_at, stamps_at, status_at, data_at
 
 
 def index_bytes(n_items: int) -> int:
     """Bytes of a cache of ``n_items`` items beside its data: header, users table and index."""
-    return _index_layout(n_items)[3]
+    return _index_layout(n_items)[4]
 
 
 def cache_segment_name(scope: str) -> str:
@@ -139,11 +145,12 @@ class _Views:
     """numpy views onto a mapped cache segment (dropped before the mapping is closed)."""
 
     def __init__(self, buf, n_items: int):
-        offsets_at, lengths_at, status_at, self.data_at = _index_layout(n_items)
+        offsets_at, lengths_at, stamps_at, status_at, self.data_at = _index_layout(n_items)
         self.header = np.ndarray((_HEADER_FIELDS,), np.int64, buf, 0)
         self.users = np.ndarray((MAX_CACHE_USERS, 2), np.int64, buf, _USERS_AT)
         self.offsets = np.ndarray((n_items,), np.int64, buf, offsets_at)
         self.lengths = np.ndarray((n_items,), np.int64, buf, lengths_at)
+        self.stamps = np.ndarray((n_items, _STAMP_FIELDS), np.int64, buf, stamps_at)
         self.status = np.ndarray((n_items,), np.int32, buf, status_at)
 
     def fingerprint(self, buf) -> bytes:
@@ -173,7 +180,7 @@ def _header_n_items(buf) -> int | None:
     if header[_H_MAGIC] != _MAGIC or header[_H_VERSION] != _VERSION or not header[_H_READY]:
         return None
     n_items = int(header[_H_N_ITEMS])
-    return n_items if len(buf) >= _index_layout(n_items)[3] else None
+    return n_items if len(buf) >= index_bytes(n_items) else None
 
 
 def _forget_user(slot: int, pid: int, buf) -> None:
@@ -194,9 +201,10 @@ class MinIOCache:
         fingerprint: 32 bytes identifying the dataset's content; a cache holding another
             fingerprint is never served.
         label: human-readable description shown by ``coordl cache ls``.
-        preallocate: allocate the whole capacity when creating the cache (an explicit size), rather
-            than growing it while the shm file system keeps ``keep_free_bytes`` free (``"auto"``; see
-            NOTE [ Sizing ]). Defaults to True.
+        require_capacity: creating the cache fails unless the shm file system has the whole capacity
+            free (an explicit size); else it grows only while the file system keeps ``keep_free_bytes``
+            free (``"auto"``). Either way the data area is allocated as it fills (see NOTE [ Sizing ]).
+            Defaults to True.
         keep_free_bytes: bytes of the shm file system a growing cache leaves free. Defaults to 0.
 
     Lifecycle: a handle maps the cache lazily in each process that uses it, holding a liveness slot
@@ -218,7 +226,7 @@ class MinIOCache:
     """
 
     def __init__(self, name: str, *, n_items: int, capacity_bytes: int, fingerprint: bytes, label: str = "",
-                 preallocate: bool = True, keep_free_bytes: int = 0):
+                 require_capacity: bool = True, keep_free_bytes: int = 0):
         if len(fingerprint) != _FINGERPRINT_LEN:
             raise ValueError(f"fingerprint must be {_FINGERPRINT_LEN} bytes, got {len(fingerprint)}")
         self.name = name
@@ -226,7 +234,7 @@ class MinIOCache:
         self.requested_capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self.label = label
-        self.preallocate = preallocate
+        self.require_capacity = require_capacity
         self.keep_free_bytes = keep_free_bytes
         self._attach_lock = (None, None)  # (pid, lock): a lock inherited over fork is never used
         self._reset()
@@ -271,12 +279,12 @@ class MinIOCache:
     def _create(self) -> Segment | None:
         data_at = index_bytes(self.n_items)
         capacity = self.requested_capacity_bytes
-        allocate = data_at + capacity if self.preallocate else data_at
+        require = data_at + capacity if self.require_capacity else data_at
         segment = Segment.create(self.name, data_at + capacity, self._capacity_error, initialize=self._initialize,
-                                 allocate=allocate)
+                                 allocate=data_at, require=require)
         if segment is not None:
-            logger.info("created cache %s: %s for %d items of %s%s", self.name, format_bytes(capacity), self.n_items,
-                        self.label or "a dataset", "" if self.preallocate else " (allocated as it fills)")
+            logger.info("created cache %s: up to %s for %d items of %s (allocated as it fills)", self.name,
+                        format_bytes(capacity), self.n_items, self.label or "a dataset")
         return segment
 
     def _initialize(self, buf) -> None:
@@ -286,7 +294,7 @@ class MinIOCache:
         header[_H_N_ITEMS], header[_H_CAPACITY] = self.n_items, capacity
         header[_H_DATA_OFFSET], header[_H_CURSOR], header[_H_FROZEN] = index_bytes(self.n_items), 0, 0
         header[_H_CREATED_NS], header[_H_CREATOR_PID] = time.time_ns(), os.getpid()
-        header[_H_ALLOCATED] = capacity if self.preallocate else 0
+        header[_H_ALLOCATED] = 0
         header[_H_KEEP_FREE] = self.keep_free_bytes
         buf[_FINGERPRINT_AT:_FINGERPRINT_AT + _FINGERPRINT_LEN] = self.fingerprint
         label = self.label.encode()[:_LABEL_LEN - 1]
@@ -300,7 +308,7 @@ class MinIOCache:
         advice = (f"Pass cache_bytes={format_bytes(fits).replace(' ', '')!r} or less, " if fits > 0 else
                   "Even its index does not fit: pass cache_bytes=0, ")
         what = f"a cache of {format_bytes(needed - index)} plus its index of {format_bytes(index)} for " \
-               f"{self.n_items} items" if self.preallocate else f"the index of {format_bytes(index)} for {self.n_items} items"
+               f"{self.n_items} items" if self.require_capacity else f"the index of {format_bytes(index)} for {self.n_items} items"
         return ShmCapacityError(
             f"{what} needs {format_bytes(needed)} of {shm_dir()}, which has {format_bytes(free)} free. {advice}"
             f"free it (`coordl cache ls`, `coordl cache rm --stale`), or enlarge it (docker: --shm-size).")
@@ -362,8 +370,17 @@ class MinIOCache:
         start = views.data_at + int(views.offsets[index])
         return self._segment.buf[start:start + int(views.lengths[index])]
 
-    def put(self, index: int, data: bytes) -> bool:
+    def stamp(self, index: int) -> tuple[int, int, int]:
+        """The stamp item ``index`` was put with, its length last (zeros before it if none); read it once
+        :meth:`get` returned the item."""
+        views = self._views
+        version, length = views.stamps[index].tolist(), int(views.lengths[index])
+        return version[0], version[1], length
+
+    def put(self, index: int, data: bytes, stamp: tuple[int, int, int] | None = None) -> bool:
         """Insert item ``index`` unless it is cached, being written by a live process, or does not fit.
+        ``stamp``: the version of the stored bytes (``storage.Stamp``; its last field, the size, is the
+        item's length), served back by :meth:`stamp`.
 
         Returns:
             Whether this call inserted it. A full cache freezes; after that only orphaned items (see
@@ -381,6 +398,7 @@ class MinIOCache:
             views.status[index] = -(self._slot + 1)
         start = views.data_at + offset
         self._segment.buf[start:start + size] = data
+        views.stamps[index] = stamp[:_STAMP_FIELDS] if stamp else (0,) * _STAMP_FIELDS
         views.status[index] = _READY
         return True
 

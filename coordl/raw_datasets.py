@@ -12,7 +12,6 @@ import bisect
 import hashlib
 import io
 import os
-import stat
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -256,56 +255,56 @@ def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, st
     return None, f"{type(dataset).__name__} does not implement coordl.RawBytesDataset (raw_key, decode_raw)"
 
 
-def fingerprint_files(keys: Sequence[str], content: bool) -> tuple[bytes, int]:
-    """(sha256 naming the files and their versions, total bytes): what a cache of ``keys`` holds.
+IDENTITY_SAMPLES = 1024
+"""How many of a dataset's keys, evenly spaced, name its cache (see :func:`dataset_identity`)."""
 
-    Each file is named by its resolved absolute path (symlinks followed), so the same relative paths
-    read from another working directory are other files. By default its version is its size and
-    mtime: an edit that keeps both (``touch -r``, a copy that preserves mtimes, a same-size write
-    within the file system's mtime granularity) goes unnoticed. ``content=True`` hashes each file's
-    bytes instead of its mtime, which reads the whole dataset (slow for large datasets). A file that
-    cannot be stat'ed or read is hashed as such; reading it later names it.
 
-    Args:
-        keys: the files' paths (each sample's ``raw_key``).
-        content: hash the files' bytes rather than their mtimes.
+def dataset_identity(source: RawBytesDataset, *, local: bool, content: bool = False) -> bytes:
+    """32 bytes naming the files ``source`` reads: the name of their node-wide cache, and what jobs of an
+    hp_group compare. Costs a few milliseconds whatever the dataset's size (without ``content``).
+
+    Hashes the number of samples and :data:`IDENTITY_SAMPLES` evenly spaced keys (the first and last
+    included). With ``local`` (keys are file paths) each sampled key counts as its physical path (its
+    directory resolved, so relative paths, other working directories and links to folders are told
+    apart or agree as the files they name) with its stat (inode, device, size, ctime): a dataset
+    rewritten in place gets a new cache. Sharing a name is only a matter of efficiency: each cached
+    item is checked against its file when it is served (see ``CachedDataset.fetch``), so the files not
+    sampled need no stat here. ``content`` also hashes every file's bytes, which reads the whole
+    dataset (slow).
     """
-    digest = hashlib.sha256(len(keys).to_bytes(8, "little"))
-    total, cwd, real_dirs = 0, os.getcwd(), {}
-    for key in keys:
-        path, st = _resolve(key, cwd, real_dirs)
-        if st is None:
-            size, version = -1, 0
-        else:
-            size, version = st.st_size, _content_digest(path) if content else st.st_mtime_ns
-        total += max(size, 0)
-        digest.update(f"{path}\0{size}\0{version}\n".encode())
-    return digest.digest(), total
+    n = len(source)
+    digest = hashlib.blake2b(f"{n}\n".encode(), digest_size=32)
+    positions = range(n) if n <= IDENTITY_SAMPLES else \
+        sorted({i * (n - 1) // (IDENTITY_SAMPLES - 1) for i in range(IDENTITY_SAMPLES)})
+    cwd, real_dirs = os.getcwd(), {}
+    for i in positions:
+        key = os.fspath(source.raw_key(i))
+        if local:
+            parent, name = os.path.split(os.path.join(cwd, key))  # not normalized: ".." after a link is physical
+            if parent not in real_dirs:
+                real_dirs[parent] = os.path.realpath(parent)
+            key = f"{os.path.join(real_dirs[parent], name)}\0{_stat_line(key)}"
+        digest.update(f"{key}\n".encode("utf-8", "surrogateescape"))
+    if content:
+        for i in range(n):
+            digest.update(_content_digest(source.raw_key(i)))
+    return digest.digest()
 
 
-def _resolve(key: str, cwd: str, real_dirs: dict[str, str]) -> tuple[str, os.stat_result | None]:
-    """``os.path.realpath(key)`` and its stat (None if it has none), resolving each directory once
-    (``real_dirs``: directory -> resolved): a single system call per file that is not a link."""
-    parent, name = os.path.split(os.path.join(cwd, key))  # not normalized: ".." after a link is physical
-    if parent not in real_dirs:
-        real_dirs[parent] = os.path.realpath(parent)
-    path = os.path.join(real_dirs[parent], name)
+def _stat_line(path: str) -> str:
     try:
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            path = os.path.realpath(path)
-            st = os.stat(path)
+        st = os.stat(path)
     except OSError:
-        return path, None
-    return path, st
+        return "missing"
+    return f"{st.st_ino} {st.st_dev} {st.st_size} {st.st_ctime_ns}"
 
 
-def _content_digest(path: str) -> str:
+def _content_digest(path: str) -> bytes:
     digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
     except OSError:
-        return "unreadable"
-    return digest.hexdigest()
+        return b"unreadable"
+    return digest.digest()

@@ -13,6 +13,7 @@ class EpochStats:
     ``samples`` counts the samples delivered to the training loop and ``decoded`` those this job's
     workers prepared; they differ only in an hp_group, where ``prepared`` batches were made by this
     job and ``shared`` ones taken from other members (``staging_wait_s`` waiting for those).
+    ``stale`` counts the ``misses`` whose cached bytes were out of date (their file changed since).
     """
 
     epoch: int
@@ -21,6 +22,7 @@ class EpochStats:
     batches: int = 0
     hits: int = 0
     misses: int = 0
+    stale: int = 0
     cache_bytes: int = 0
     storage_bytes: int = 0
     stall_s: float = 0.0
@@ -45,7 +47,7 @@ class EpochStats:
         """``key=value`` line logged at the end of each epoch."""
         fill = f"{cache.fill_fraction:.3f}" if cache is not None else "off"
         line = (f"epoch={self.epoch} complete={int(self.complete)} samples={self.samples} batches={self.batches} "
-                f"hits={self.hits} misses={self.misses} cache_bytes={self.cache_bytes} "
+                f"hits={self.hits} misses={self.misses} stale={self.stale} cache_bytes={self.cache_bytes} "
                 f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
                 f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill}")
         if self.group is not None:
@@ -77,6 +79,6 @@ class LoaderStats:
 
 def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total``."""
-    for field in ("samples", "batches", "hits", "misses", "cache_bytes", "storage_bytes", "stall_s", "time_s",
+    for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "stall_s", "time_s",
                   "decoded", "prepared", "shared", "staging_wait_s"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))

@@ -3,13 +3,28 @@
 import os
 from typing import Protocol
 
+Stamp = tuple[int, int, int]
+"""A stored file's version: (inode, ctime ns, size). Any write, replacement (a new inode), re-pointed
+link or ``touch``, even one that puts the mtime back, changes the inode or the ctime, which no one
+can set (POSIX file systems keep it; one that does not is not checked)."""
+
 
 class Storage(Protocol):
-    """Where raw sample bytes come from on a cache miss (local files; later object stores, peers)."""
+    """Where raw sample bytes come from on a cache miss (local files; later object stores, peers).
+
+    A storage may also define ``read_stamped(key) -> (bytes, Stamp | None)`` and ``stamp(key) ->
+    Stamp | None``, as :class:`FileStorage` does: then each cached item is checked against its key's
+    stamp when it is served. Without them, cached items are served unchecked: the storage's keys
+    name immutable bytes.
+    """
 
     def read(self, key: str) -> bytes:
         """The stored bytes of ``key``. Raises OSError if it cannot be read."""
         ...
+
+
+def stamp_of(st: os.stat_result) -> Stamp:
+    return st.st_ino, st.st_ctime_ns, st.st_size
 
 
 class FileStorage:
@@ -25,8 +40,21 @@ class FileStorage:
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
 
     def read(self, key: str) -> bytes:
+        return self.read_stamped(key)[0]
+
+    def read_stamped(self, key: str) -> tuple[bytes, Stamp | None]:
+        """The bytes of ``key`` and its stamp as of before the read (so a write during the read makes the
+        stamp out of date, never the bytes newer than it); None if the file changed size meanwhile."""
         with open(key, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
             data = f.read()
             if self.drop_page_cache:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return data
+        return data, stamp_of(st) if len(data) == st.st_size else None
+
+    def stamp(self, key: str) -> Stamp | None:
+        """The stamp of ``key`` now (links followed); None if it cannot be stat'ed."""
+        try:
+            return stamp_of(os.stat(key))
+        except OSError:
+            return None

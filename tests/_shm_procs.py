@@ -115,37 +115,6 @@ def create_then_die_mid_creation(cache_name: str) -> None:
     cache.stats()
 
 
-def create_cache_and_report(name: str, capacity: int, mine: list, theirs: list, results) -> None:
-    """Create a preallocated cache of ``capacity`` and report "ok" or the error, meeting the other creator
-    inside the allocation: once both have started allocating (so both passed any free-space check), and
-    again once both hold three quarters. Each meeting waits at most 2 s, so creators that are serialised
-    (one waits for the other to finish) go on alone."""
-    import coordl._shm as shm
-    allocate = os.posix_fallocate
-
-    def meet(k: int) -> None:
-        mine[k].set()
-        theirs[k].wait(2)
-
-    def allocate_in_step(fd, offset, length):
-        meet(0)
-        part = length * 3 // 4
-        allocate(fd, offset, part)
-        meet(1)
-        return allocate(fd, offset + part, length - part)
-
-    shm.os.posix_fallocate = allocate_in_step
-    cache = _cache(name, n_items=4, capacity=capacity)
-    try:
-        cache.stats()
-        results.put("ok")
-        time.sleep(3)  # keep it until the other has failed
-    except MemoryError as e:
-        results.put(str(e))
-    finally:
-        cache.close()
-
-
 def attach_and_die(cache_name: str, done) -> None:
     """Attach a cache (of ``FINGERPRINT``), put one item, say so, and die by SIGKILL."""
     cache = _cache(cache_name)

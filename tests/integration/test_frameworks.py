@@ -117,7 +117,7 @@ def test_lightning_update_dataloader_injects_distributed_sampler(image_root, num
         assert new.dataset.dataset is dataset  # unwrapped: not a proxy of a proxy
         assert new.dataset.cache is not None
         assert new.dataset.cache.name == loader.dataset.cache.name
-        assert new.dataset.fingerprint == loader.dataset.fingerprint
+        assert new.dataset.identity == loader.dataset.identity
 
         # Epoch 1: exactly rank 0's shard (in the sampler's order), all misses, filling the cache.
         rank0, rank1 = _shard(loader.dataset, epoch=0), _shard(loader.dataset, epoch=0, rank=1)

@@ -115,21 +115,63 @@ def _read_all(files, **options) -> tuple[list[bytes], int]:
         return samples, loader.stats().epochs[0].hits
 
 
+def _edit(kind: str, path: str, tmp_path) -> None:
+    """Change the bytes behind ``path`` and keep its size and mtime."""
+    if kind == "rewritten":
+        _write(path, b"new-" + open(path, "rb").read()[4:])  # in place, mtime put back
+    elif kind == "replaced":
+        _write(str(tmp_path / "next.bin"), b"new-" + open(path, "rb").read()[4:])
+        os.replace(tmp_path / "next.bin", path)  # another inode, same size and mtime
+    else:  # a link re-pointed at another file of the same size and mtime
+        target = os.readlink(path)
+        _write(target + ".other", b"new-" + open(target, "rb").read()[4:])
+        os.unlink(path)
+        os.symlink(target + ".other", path)
+
+
 @pytest.mark.parametrize("verify", ["stat", "content"])
-def test_an_edit_keeping_size_and_mtime_is_served_stale_unless_content_is_verified(tmp_path, verify):
+@pytest.mark.parametrize("kind", ["rewritten", "replaced", "relinked"])
+def test_a_file_changed_after_caching_is_read_again_never_served_stale(tmp_path, kind, verify):
     files = [str(tmp_path / f"{i}.bin") for i in range(4)]
     for i, path in enumerate(files):
-        _write(path, f"old-{i}".encode())
+        if kind == "relinked":
+            _write(path + ".target", f"old-{i}".encode())
+            os.symlink(path + ".target", path)
+        else:
+            _write(path, f"old-{i}".encode())
     with coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), batch_size=4, collate_fn=list,
-                           cache_bytes="1MiB", cache_verify=verify) as first:
-        assert [s for batch in first for s in batch] == [f"old-{i}".encode() for i in range(4)]  # now cached
-        for i, path in enumerate(files):
-            _write(path, f"new-{i}".encode())  # same size, mtime put back
-        samples, hits = _read_all(files, cache_verify=verify)
-    if verify == "stat":
-        assert (samples, hits) == ([f"old-{i}".encode() for i in range(4)], 4)
-    else:
-        assert (samples, hits) == ([f"new-{i}".encode() for i in range(4)], 0)
+                           cache_bytes="1MiB", cache_verify=verify) as loader:
+        assert [s for batch in loader for s in batch] == [f"old-{i}".encode() for i in range(4)]  # now cached
+        _edit(kind, files[1], tmp_path)
+        assert [s for batch in loader for s in batch] == [b"old-0", b"new-1", b"old-2", b"old-3"]
+        again = loader.stats().epochs[1]
+        assert (again.hits, again.misses, again.stale) == (3, 1, 1)
+        assert loader.stats().cache.items_cached == 4  # the old bytes stay, served to no one
+        with coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), batch_size=4, collate_fn=list,
+                               cache_bytes="1MiB", cache_verify=verify) as later:  # a later job: a new cache
+            assert later.dataset.cache.name != loader.dataset.cache.name
+            assert [s for batch in later for s in batch] == [b"old-0", b"new-1", b"old-2", b"old-3"]
+    for path in files:
+        os.utime(path, ns=(1, 1))  # touched: bytes unchanged, a new cache all the same
+    samples, hits = _read_all(files, cache_verify=verify)
+    assert (samples, hits) == ([b"old-0", b"new-1", b"old-2", b"old-3"], 0)
+
+
+def test_a_storage_without_stamps_is_served_as_cached(tmp_path):
+    class Store:  # keys name immutable bytes, as an object store's versioned keys would
+        def __init__(self):
+            self.reads = 0
+
+        def read(self, key):
+            self.reads += 1
+            return key.encode()
+
+    store = Store()
+    with coordl.DataLoader(coordl.FileDataset([f"object-{i}" for i in range(4)], decode="bytes"), batch_size=4,
+                           collate_fn=list, cache_bytes="1MiB", storage=store) as loader:
+        for _ in range(2):
+            assert [s for batch in loader for s in batch] == [f"object-{i}".encode() for i in range(4)]
+        assert store.reads == 4 and loader.stats().epochs[1].hits == 4
 
 
 def test_relative_paths_from_another_working_directory_do_not_share_a_cache(tmp_path, monkeypatch):

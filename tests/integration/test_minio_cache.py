@@ -7,6 +7,7 @@ import pytest
 import torchvision
 
 import coordl
+from coordl import minio_cache
 from coordl._shm import segment_path
 from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
 from tests import _procs
@@ -134,10 +135,16 @@ def test_too_little_shm_is_refused_up_front_with_the_fix(tmp_path):
         MinIOCache(_name(), n_items=1, capacity_bytes=2**50, fingerprint=bytes(32)).stats()
 
 
-def test_auto_cache_is_capped_at_the_dataset_and_zero_turns_it_off(image_root):
+def test_auto_cache_grows_only_as_the_dataset_fills_it_and_zero_turns_it_off(image_root):
     dataset = torchvision.datasets.ImageFolder(image_root)
     with coordl.DataLoader(dataset, collate_fn=list) as auto:
-        assert auto.dataset.cache.stats().capacity_bytes == dataset_bytes(image_root)
+        built = auto.dataset.cache.stats()
+        assert built.allocated_bytes == 0 and built.capacity_bytes > dataset_bytes(image_root)
+        list(auto)
+        filled = auto.dataset.cache.stats()
+        assert (filled.items_cached, filled.bytes_cached) == (96, dataset_bytes(image_root))
+        assert dataset_bytes(image_root) <= filled.allocated_bytes <= dataset_bytes(image_root) + minio_cache._CHUNK
+        assert not filled.frozen
     with coordl.DataLoader(dataset, collate_fn=list, cache_bytes=0) as off:
         assert off.dataset.cache is None and not off.dataset.storage.drop_page_cache
         list(off)

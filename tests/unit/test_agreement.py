@@ -18,7 +18,7 @@ from coordl.storage import FileStorage
 def _settings(transform=None, collate_fn=default_collate, key=None) -> dict[str, str]:
     dataset = coordl.FileDataset(["a.jpg", "b.jpg"], targets=[0, 1], transform=transform)
     wrapped = CachedDataset(dataset, dataset, None, FileStorage(drop_page_cache=False), SampleCounters(1),
-                            fingerprint=(bytes(32), 0))
+                            identity=bytes(32))
     return group_settings(wrapped, batch_size=2, drop_last=False, shuffle=True, seed=None, collate_fn=collate_fn,
                           dali=None, key=key, content=False)
 

@@ -29,9 +29,9 @@ class _Slots:
         return self.allocates
 
 
-def _cache(slot=0, live=(), preallocate=True, keep_free=0, allocates=True):
+def _cache(slot=0, live=(), keep_free=0, allocates=True):
     """A cache handle in ``slot`` over a fresh anonymous mapping, and its views."""
-    cache = MinIOCache("unit", n_items=N, capacity_bytes=CAPACITY, fingerprint=bytes(32), preallocate=preallocate,
+    cache = MinIOCache("unit", n_items=N, capacity_bytes=CAPACITY, fingerprint=bytes(32),
                        keep_free_bytes=keep_free)
     buf = mmap.mmap(-1, index_bytes(N) + CAPACITY)
     cache._initialize(buf)
@@ -98,13 +98,13 @@ def test_a_writer_killed_after_moving_the_cursor_leaks_only_that_space():
 def test_a_growing_cache_allocates_in_chunks_and_freezes_when_the_file_system_is_short(monkeypatch):
     monkeypatch.setattr(minio_cache, "_CHUNK", 4096)
     monkeypatch.setattr(minio_cache, "free_shm_bytes", lambda: 10_000)
-    cache, views = _cache(slot=0, preallocate=False, keep_free=1000)
+    cache, views = _cache(slot=0, keep_free=1000)
     assert _write(cache, views, 0, 100) == 0
     assert cache._segment.allocations == [(views.data_at, 1000)]  # chunk capped at the capacity
-    cache, views = _cache(slot=0, preallocate=False, keep_free=9500)
+    cache, views = _cache(slot=0, keep_free=9500)
     assert _write(cache, views, 0, 100) is None  # growing would leave less than keep_free
     assert views.header[minio_cache._H_FROZEN] == minio_cache._SHM_SHORT
-    cache, views = _cache(slot=0, preallocate=False, allocates=False)
+    cache, views = _cache(slot=0, allocates=False)
     assert _write(cache, views, 0, 100) is None and views.header[minio_cache._H_FROZEN]  # ENOSPC: frozen
 
 
