@@ -263,18 +263,18 @@ def dataset_identity(source: RawBytesDataset, *, local: bool, content: bool = Fa
     """32 bytes naming the files ``source`` reads: the name of their node-wide cache, and what jobs of an
     hp_group compare. Costs a few milliseconds whatever the dataset's size (without ``content``).
 
-    Hashes the number of samples and :data:`IDENTITY_SAMPLES` evenly spaced keys (the first and last
-    included). With ``local`` (keys are file paths) each sampled key counts as its physical path (its
-    directory resolved, so relative paths, other working directories and links to folders are told
-    apart or agree as the files they name) with its stat (inode, device, size, ctime): a dataset
-    rewritten in place gets a new cache. Sharing a name is only a matter of efficiency: each cached
-    item is checked against its file when it is served (see ``CachedDataset.fetch``), so the files not
-    sampled need no stat here. ``content`` also hashes every file's bytes, which reads the whole
-    dataset (slow).
+    With ``local`` (keys are file paths), hashes the number of samples and :data:`IDENTITY_SAMPLES`
+    evenly spaced keys (the first and last included), each as its physical path (its directory
+    resolved, so relative paths, other working directories and links to folders are told apart or
+    agree as the files they name) with its stat (inode, device, size, ctime): a dataset rewritten in
+    place gets a new cache. Sharing a name is only a matter of efficiency: each cached item is checked
+    against its file when it is served (see ``CachedDataset.fetch``), so the files not sampled need no
+    stat here. Keys of another storage are served unchecked, so every key is hashed, as given (no
+    stat). ``content`` also hashes every file's bytes, which reads the whole dataset (slow).
     """
     n = len(source)
     digest = hashlib.blake2b(f"{n}\n".encode(), digest_size=32)
-    positions = range(n) if n <= IDENTITY_SAMPLES else \
+    positions = range(n) if n <= IDENTITY_SAMPLES or not local else \
         sorted({i * (n - 1) // (IDENTITY_SAMPLES - 1) for i in range(IDENTITY_SAMPLES)})
     cwd, real_dirs = os.getcwd(), {}
     for i in positions:

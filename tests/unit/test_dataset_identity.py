@@ -57,3 +57,9 @@ def test_only_sampled_files_are_looked_at(tmp_path):
     os.unlink(keys[n - 1])
     assert _identity(keys) != first
     assert _identity(keys[:-1]) != _identity(keys)  # the number of samples counts
+
+
+def test_keys_of_another_storage_are_all_hashed_since_they_are_served_unchecked():
+    keys = [f"s3://bucket/{i}.jpg" for i in range(5000)]
+    moved = keys[:1] + ["s3://bucket/other.jpg"] + keys[2:]  # a key no sample of 1024 would look at
+    assert dataset_identity(FileDataset(keys), local=False) != dataset_identity(FileDataset(moved), local=False)
