@@ -100,12 +100,16 @@ def test_writers_killed_mid_insert_leave_every_cached_item_intact(tmp_path):
                                     10 * round_ + k, ev, go) for k, ev in enumerate(events)]
             assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in events)
             go.set()  # both writers start together, so both are mid-fill when killed
+            status = survivor._views.status
+            deadline = time.monotonic() + _procs.JOIN_TIMEOUT
+            while not (status == 1).any():  # the fill has begun (the cache grows as it fills)
+                assert time.monotonic() < deadline, "the writers never filled an item"
+                time.sleep(0.001)
             time.sleep(rng.uniform(0.005, 0.03))
             for w in writers:
                 os.kill(w.pid, signal.SIGKILL)
             for w in writers:
                 w.join(10)
-            status = survivor._views.status
             interrupted += int((status < 0).sum())  # slots a dead writer left mid-insert
             assert 0 < int((status == 1).sum()) < n_items
             for i in range(n_items):
