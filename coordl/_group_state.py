@@ -60,11 +60,12 @@ from coordl._shm import Segment, unlink_segment
 logger = logging.getLogger(__name__)
 
 _MAGIC = int.from_bytes(b"COORDLG1", "little")
-_VERSION = 2
+_VERSION = 3
 LAYOUT_VERSION = _VERSION
 """Layout version of group segments (part of their name, so versions never share a group)."""
 (_H_MAGIC, _H_VERSION, _H_READY, _H_CREATED_NS, _H_CREATOR_PID, _H_N_BATCHES, _H_CAPACITY, _H_SEED, _H_EPOCH,
- _H_ACTIVE, _H_OPEN_SINCE_NS, _H_STAGED_BYTES, _H_PEAK_BYTES, _H_SEQ, _H_GENERATION, _H_MEMBERS) = range(16)
+ _H_ACTIVE, _H_OPEN_SINCE_NS, _H_STAGED_BYTES, _H_PEAK_BYTES, _H_SEQ, _H_GENERATION, _H_MEMBERS,
+ _H_FIRST_EPOCH) = range(17)
 _HEADER_FIELDS = 64
 _LABEL_AT, _LABEL_LEN = 1024, 256
 _CONFIG_AT, _CONFIG_LEN = 1280, 2752  # up to _shm.LOCK_INFO_AT
@@ -165,7 +166,7 @@ class GroupState:
         header = np.ndarray((_HEADER_FIELDS,), np.int64, segment.buf, 0)
         header[_H_MAGIC], header[_H_VERSION], header[_H_CREATED_NS] = _MAGIC, _VERSION, time.time_ns()
         header[_H_CREATOR_PID], header[_H_N_BATCHES] = creator_pid, n_batches
-        header[_H_CAPACITY], header[_H_SEED] = capacity, seed
+        header[_H_CAPACITY], header[_H_SEED], header[_H_FIRST_EPOCH] = capacity, seed, 1
         if len(config) >= _CONFIG_LEN:
             raise ValueError(f"internal error: hp_group settings take {len(config)} bytes")
         label_bytes = label.encode()[:_LABEL_LEN - 1]
@@ -191,6 +192,25 @@ class GroupState:
     @property
     def seed(self) -> int:
         return int(self.header[_H_SEED])
+
+    @property
+    def first_epoch(self) -> int:
+        """The number of the group's first epoch: 1, or where members resuming from a checkpoint set it."""
+        return int(self.header[_H_FIRST_EPOCH])
+
+    def resume_at(self, epoch: int, seed: int) -> bool:
+        """Make ``epoch`` the group's first, with plan seed ``seed``, if no epoch has started and no member
+        waits for one (a group re-created by jobs resuming from a checkpoint); True if the group now
+        starts there with that seed (set now or by another member before), False if it runs already."""
+        h = self.header
+        if h[_H_EPOCH] >= h[_H_FIRST_EPOCH]:  # an epoch has started
+            return False
+        if int(h[_H_FIRST_EPOCH]) == epoch and int(h[_H_SEED]) == seed:
+            return True
+        if np.any(self.members[:, _M_ARRIVED_FOR] != 0):
+            return False
+        h[_H_FIRST_EPOCH], h[_H_EPOCH], h[_H_SEED] = epoch, epoch - 1, seed
+        return True
 
     @property
     def capacity(self) -> int:
@@ -328,7 +348,7 @@ class GroupState:
         if any(self._awaited(now, timeout_ns)):
             return  # a member of the latest epoch may still come
         expected = int(m[arrived, _M_EXPECT].max())
-        if upcoming == 1 and len(arrived) < expected and now - h[_H_OPEN_SINCE_NS] < timeout_ns:
+        if upcoming == h[_H_FIRST_EPOCH] and len(arrived) < expected and now - h[_H_OPEN_SINCE_NS] < timeout_ns:
             return
         for row in np.flatnonzero(self.ring[:, _R_STATE] != _FREE):
             self._free_row(int(row))

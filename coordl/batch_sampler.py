@@ -34,6 +34,13 @@ class _PassCheckpoints:
         loading draws each batch as it is consumed)."""
         return self.resume_state()
 
+    def _with_group(self, state: dict) -> dict:
+        """``state`` with, in an hp_group, where the group resumes (see ``GroupFeed.checkpoint``)."""
+        group = self.epochs.feed.checkpoint() if getattr(self.epochs, "group", None) is not None else None
+        if group is not None:
+            state["hp_group"] = group
+        return state
+
     def resume_state(self, consumed: int | None = None) -> dict:
         """Where the latest pass is once the training loop has had ``consumed`` of its batches (None: as
         many as the pass handed torch). A pass not started, run out or wholly consumed is a boundary."""
@@ -41,16 +48,17 @@ class _PassCheckpoints:
         if self._infinite():
             return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
         if current is not None and current.rng is None and current.pending is not None:
-            return resume_state.pass_state(current.pending["rng"], current.skipped, current.pending["batches"])
+            return self._with_group(resume_state.pass_state(current.pending["rng"], current.skipped,
+                                                            current.pending["batches"]))
         if current is None or current.rng is None:
-            return resume_state.boundary_state(current.created_rng if current is not None else
-                                               self.rng_sources().capture(with_global=False))
+            return self._with_group(resume_state.boundary_state(current.created_rng if current is not None else
+                                                                self.rng_sources().capture(with_global=False)))
         ran_out = current.exhausted and consumed is None  # else the plan may run out before the loop has it all
         consumed = current.handed if consumed is None else current.skipped + consumed
         batches = self._length()
         if ran_out or (batches is not None and consumed >= batches):
-            return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
-        return resume_state.pass_state(current.rng, consumed, batches)
+            return self._with_group(resume_state.boundary_state(self.rng_sources().capture(with_global=False)))
+        return self._with_group(resume_state.pass_state(current.rng, consumed, batches))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state`` (from ``state_dict``): the next pass yields the rest of the saved one, or,
@@ -59,6 +67,8 @@ class _PassCheckpoints:
         state = resume_state.checked(state, what)
         saved = state["pass"]
         self._resume = None
+        if getattr(self.epochs, "group", None) is not None and "hp_group" in state:
+            self._resume_group(state["hp_group"], mid_epoch=saved is not None, what=what)
         if saved is None:
             self.rng_sources().restore(state["rng"], what=what)
             return
@@ -67,13 +77,22 @@ class _PassCheckpoints:
             raise ValueError(f"{what}.load_state_dict: the state was saved in an epoch of {saved['batches']} batches; "
                              f"this loader's epochs have {batches}. Resume with the same dataset and batch settings.")
         if getattr(self.epochs, "group", None) is not None:
-            warnings.warn(f"{what}.load_state_dict: a loader in an hp_group resumes at epoch boundaries; this state "
-                          f"was saved after {saved['consumed']} batches of an epoch, so it goes on with the group's "
-                          f"next epoch.", stacklevel=2)
             self.rng_sources().restore(saved["rng"], what=what)
             return
         self.rng_sources().check(saved["rng"], what=what)
         self._resume = saved
+
+    def _resume_group(self, group: dict, *, mid_epoch: bool, what: str) -> None:
+        """Resume the hp_group at the epoch boundary ``group`` names (see ``GroupFeed.resume``), saying so
+        when the state was taken mid-epoch or the group runs already."""
+        epoch = group["next_epoch"]
+        if mid_epoch:
+            warnings.warn(f"{what}.load_state_dict: a loader in an hp_group resumes at epoch boundaries; this state "
+                          f"was saved during group epoch {epoch - 1}, so it goes on with group epoch {epoch}.",
+                          stacklevel=3)
+        if not self.epochs.feed.resume(group):
+            warnings.warn(f"{what}.load_state_dict: the hp_group has already started epochs without this state; "
+                          f"this job joins the group's next epoch instead of group epoch {epoch}.", stacklevel=3)
 
     def _infinite(self) -> bool:
         """An iterable dataset's sampler: its position is the dataset iterator's, which coordl does not see."""

@@ -82,11 +82,12 @@ def _differences(group: dict[str, str], mine: dict[str, str]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class EpochTicket:
-    """This job's place in one group epoch."""
+    """This job's place in one group epoch, and the group's plan seed for it."""
 
     epoch: int
     members: int
     slot: int
+    seed: int
 
 
 def _forget_member(name: str, slot: int, pid: int, buf) -> None:
@@ -277,14 +278,15 @@ class HPGroup:
                 state.reap(self._live())
                 state.try_seal(self.timeout_s)
                 mine, running, members = state.epoch_of(self._slot)
+                first, seed = state.first_epoch, state.seed
                 late = mine != upcoming and not warned and time.monotonic() - started > self.timeout_s
                 awaited = state.awaited(self.timeout_s) if late else None
             if mine == upcoming:
-                if upcoming == 1 and members < self.expected_members:
-                    logger.warning("hp_group %r: epoch 1 started with %d of the %d jobs hp_group_size asks for, "
+                if upcoming == first and members < self.expected_members:
+                    logger.warning("hp_group %r: epoch %d started with %d of the %d jobs hp_group_size asks for, "
                                    "after hp_group_timeout_s=%g s; jobs that come later join at the next epoch",
-                                   self.group, members, self.expected_members, self.timeout_s)
-                return EpochTicket(upcoming, members, self._slot)
+                                   self.group, upcoming, members, self.expected_members, self.timeout_s)
+                return EpochTicket(upcoming, members, self._slot, seed)
             if late:
                 logger.warning("hp_group %r: waited %.0f s for epoch %d to start: %s", self.group,
                                time.monotonic() - started, upcoming,
@@ -292,6 +294,15 @@ class HPGroup:
                 warned = True
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def resume_at(self, epoch: int, seed: int) -> bool:
+        """Start the group at ``epoch`` with plan seed ``seed`` (a job resuming from a checkpoint), if no epoch
+        has started yet; False if the group runs already (this job then joins its next epoch)."""
+        self.join()
+        with self._locked() as state:
+            resumed = state.resume_at(epoch, seed)
+            self.seed = state.seed
+        return resumed
 
     def owner(self, batch: int) -> int:
         """Slot of the member that prepares ``batch`` now (read without the lock)."""

@@ -97,6 +97,7 @@ class GroupFeed:
         self._plan: list[list[int]] = []
         self._next = 0
         self._last_stats = None
+        self._epoch: tuple[int, int] | None = None  # (group epoch, its plan seed) of the latest begin
 
     def _share_batches(self):
         """This job's share through its own workers (a torch DataLoader over an unfed view of the dataset)."""
@@ -112,12 +113,13 @@ class GroupFeed:
         ticket = self.group.start_epoch()
         try:
             self.counters = GroupCounters(members=ticket.members)
-            plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self.shuffled, self.group.seed,
+            plan = epoch_plan(len(self.dataset), self.batch_size, self.drop_last, self.shuffled, ticket.seed,
                               ticket.epoch)
+            self._epoch = (ticket.epoch, ticket.seed)
             generation, mine = self.group.share_of_mine()  # read once: the producer must pair the same ids
             self._share.batches = [plan[b] for b in mine]
             if self.dali is not None:  # this job's share through its DALI pipeline, takeovers through twins
-                seed = self.group.seed ^ ticket.epoch
+                seed = ticket.seed ^ ticket.epoch
                 share = self.dali.epoch(self._share.batches, seed)
                 prepare = functools.partial(_prepare_dali_batches, self.dali, seed)
             else:
@@ -130,6 +132,20 @@ class GroupFeed:
             raise
         self._plan, self._next = plan, 0
         return plan
+
+    def checkpoint(self) -> dict | None:
+        """Where this job is in the group, for a checkpoint: the group epoch to resume at (the one after the
+        latest it began: a group resumes at epoch boundaries) and the plan seed; None before its first."""
+        if self._epoch is None:
+            return None
+        epoch, seed = self._epoch
+        return {"next_epoch": epoch + 1, "seed": seed}
+
+    def resume(self, state: dict) -> bool:
+        """Resume at ``state`` (from :meth:`checkpoint`): a group not yet started (re-created by jobs
+        resuming) starts at its epoch with its seed, so its plans are the uninterrupted group's; False
+        if the group runs already (this job then joins its next epoch)."""
+        return self.group.resume_at(int(state["next_epoch"]), int(state["seed"]))
 
     def take(self, indices: list[int]):
         """The group's next batch, which must be the one planned as ``indices``."""

@@ -239,7 +239,9 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     batch: a slow training step), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
     ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), ``via`` (``"parts"``: iterate
     a plain torch DataLoader built from the loader's dataset, batch_sampler and collate_fn; ``"accelerate"``:
-    what ``Accelerator.prepare`` makes of it), anything else goes to ``coordl.DataLoader``.
+    what ``Accelerator.prepare`` makes of it), ``load_state``/``save_state`` (a file the loader's state is
+    loaded from before its epochs, saved to after them), ``seed`` (the loader's ``generator``'s seed),
+    anything else goes to ``coordl.DataLoader``.
     """
     _debuggable()
     os.setsid()  # its own process group: a test can kill it with its workers
@@ -251,6 +253,10 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     step_s, kill_after = options.pop("step_s", 0.0), options.pop("kill_self_after", 0)
     kill_epoch = options.pop("kill_epoch", 1)
     max_open_files, via = options.pop("max_open_files", None), options.pop("via", None)
+    load_state, save_state = options.pop("load_state", None), options.pop("save_state", None)
+    if "seed" in options:
+        import torch
+        options["generator"] = torch.Generator().manual_seed(options.pop("seed"))
     if max_open_files:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
     if ready is not None:
@@ -258,6 +264,9 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     if start is not None:
         start.wait(JOIN_TIMEOUT)
     loader = coordl.DataLoader(dataset, hp_group=group, **{"batch_size": 4, "shuffle": True, **options})
+    if load_state:
+        import torch
+        loader.load_state_dict(torch.load(load_state))
     batches_of = loader
     if via == "parts":
         import torch.utils.data
@@ -279,6 +288,9 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
                 os.killpg(os.getpid(), signal.SIGKILL)
         seen.append((loader.stats().epochs[-1].epoch, batches))
     stats = loader.stats().as_dict()
+    if save_state:
+        import torch
+        torch.save(loader.state_dict(), save_state)
     loader.close()
     results.put((os.getpid(), seen, stats))
 

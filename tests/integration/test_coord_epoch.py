@@ -15,6 +15,7 @@ import torch
 import coordl
 from coordl import coord_prep
 from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
+from coordl._group_state import _M_ARRIVED_FOR
 from coordl.coord_prep import HPGroup
 from tests import _procs
 from tests._signals import FileQueue
@@ -270,3 +271,30 @@ def test_a_first_epoch_that_starts_short_of_hp_group_size_says_so(members, caplo
     with caplog.at_level(logging.WARNING, logger="coordl"):
         assert a.start_epoch().members == 1
     assert any("epoch 1 started with 1 of the 3 jobs hp_group_size asks for" in m for m in _warnings(caplog))
+
+
+def test_members_resuming_a_group_start_it_at_their_epoch_with_their_seed(members):
+    a, b = members(2, n_batches=3, expected_members=2, timeout_s=_WAIT_S)
+    assert a.resume_at(5, 99) and b.resume_at(5, 99)  # both load the same checkpoint
+    assert [(t.epoch, t.seed) for t in _start_together([a, b])] == [(5, 99), (5, 99)]
+    assert a.seed == b.seed == 99
+    assert not a.resume_at(9, 7)  # the group runs: a late state cannot move it
+
+
+def test_the_resumed_first_epoch_waits_for_hp_group_size(members):
+    a, b = members(2, n_batches=3, expected_members=2, timeout_s=_WAIT_S)
+    assert a.resume_at(4, 11)
+    with ThreadPoolExecutor(1) as pool:
+        alone = pool.submit(a.start_epoch)
+        with pytest.raises(TimeoutError):
+            alone.result(0.5)  # the group's first epoch is 4 now: it waits for the second job
+        assert b.start_epoch().epoch == 4 and alone.result(_WAIT_S).epoch == 4
+
+
+def test_a_state_cannot_move_a_group_a_member_already_waits_in(members):
+    a, b = members(2, n_batches=3, expected_members=2, timeout_s=_WAIT_S)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(a.start_epoch)  # arrived for epoch 1
+        _until(lambda: a._state.members[a._slot, _M_ARRIVED_FOR] == 1, "a arrives")
+        assert not b.resume_at(5, 99)
+        assert b.start_epoch().epoch == 1 and waiting.result(_WAIT_S).epoch == 1

@@ -290,3 +290,51 @@ def test_dali_survivors_take_over_a_killed_jobs_share(tmp_path, index_root):
     assert victim.exitcode == -signal.SIGKILL
     assert seen_a == seen_b and _samples(seen_a[0]) == list(range(N))
     assert stats_a["epochs"][0]["decoded"] + stats_b["epochs"][0]["decoded"] > 2 * N // 3  # the victim's share too
+
+
+def _plans(run) -> list[list[list[int]]]:
+    return [[indices for indices, _ in batches] for _, batches in run[1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seeded", [True, False], ids=["generator", "random-seed"])
+def test_a_group_restarted_from_its_jobs_checkpoints_goes_on_with_the_uninterrupted_plans(tmp_path, index_root,
+                                                                                          seeded):
+    """Two jobs run a group for one epoch and save their states; two new jobs load them into a new group,
+    which goes on at group epoch 2 with the old group's seed. With a generator, epochs 2 and 3 are those of
+    a group that ran three epochs uninterrupted; with a random seed, they continue the saved seed's plans."""
+    common = dict(hp_group_size=2, hp_group_timeout_s=30, **({"seed": 7} if seeded else {}))
+    states = [str(tmp_path / f"state-{k}.pt") for k in range(2)]
+    procs, results = _start_jobs(tmp_path, index_root, _group(), [(1, dict(common, save_state=s)) for s in states])
+    first = _collect(results, 2)
+    _procs.join_ok(*procs)
+    procs, results = _start_jobs(tmp_path, index_root, _group(), [(2, dict(common, load_state=s)) for s in states])
+    resumed = _collect(results, 2)
+    _procs.join_ok(*procs)
+
+    saved = torch.load(states[0])["hp_group"]
+    assert saved["next_epoch"] == 2 and torch.load(states[1])["hp_group"] == saved
+    assert _plans(resumed[0]) == _plans(resumed[1])
+    expected = [coordl.coord_prep.epoch_plan(N, 4, False, True, saved["seed"], epoch) for epoch in (2, 3)]
+    assert _plans(resumed[0]) == expected
+    assert _plans(first[0])[0] == coordl.coord_prep.epoch_plan(N, 4, False, True, saved["seed"], 1)
+    if seeded:
+        procs, results = _start_jobs(tmp_path, index_root, _group(), [(3, common), (3, common)])
+        uninterrupted = _collect(results, 2)
+        _procs.join_ok(*procs)
+        assert _plans(uninterrupted[0])[1:] == _plans(resumed[0])
+
+
+def test_a_state_saved_mid_epoch_resumes_the_group_at_the_next_epoch_and_says_so(tmp_path, index_root):
+    dataset = _procs.IndexFiles(index_root, N)
+    with coordl.DataLoader(dataset, batch_size=4, shuffle=True, hp_group=_group(), cache_bytes=0) as loader:
+        iterator = iter(loader)
+        next(iterator)
+        state = loader.state_dict()
+        del iterator
+    assert state["hp_group"]["next_epoch"] == 2 and state["pass"]["consumed"] == 1
+    with coordl.DataLoader(dataset, batch_size=4, shuffle=True, hp_group=_group(), cache_bytes=0) as loader:
+        with pytest.warns(UserWarning, match="resumes at epoch boundaries.*goes on with group epoch 2"):
+            loader.load_state_dict(state)
+        plan = [batch[0].tolist() for batch in loader]
+    assert plan == coordl.coord_prep.epoch_plan(N, 4, False, True, state["hp_group"]["seed"], 2)
