@@ -63,9 +63,11 @@ def _child(mode: str, root: str, batch_size: int) -> None:
     import coordl
     start = time.perf_counter()
     dataset = torchvision.datasets.ImageFolder(root)
+    built = time.perf_counter()
     loader = None if mode == "imagefolder" else coordl.DataLoader(dataset, batch_size=batch_size, shuffle=True)
-    seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "samples": len(dataset)}), flush=True)
+    end = time.perf_counter()
+    print(json.dumps({"seconds": end - start, "dataset_s": built - start, "loader_s": end - built,
+                      "samples": len(dataset)}), flush=True)
     if mode == "hold":
         sys.stdin.read()
     if loader is not None:
@@ -140,13 +142,22 @@ with coordl.DataLoader(ds, batch_size=256) as loader:
 
 
 def summarize(trials: list[dict]) -> dict:
-    """Per mode: median, min, max and relative spread ((max - min) / median) of the seconds."""
+    """Per mode: median, min, max and relative spread ((max - min) / median) of the seconds, and against
+    the ImageFolder trials' median. For coordl's modes also what coordl.DataLoader adds in the same
+    process, in seconds and as a fraction of that process's own ImageFolder construction (``overhead``:
+    the figure that machine load, which moves both alike, changes least)."""
     summary = {}
     for mode in MODES:
-        seconds = [t["seconds"] for t in trials if t["mode"] == mode]
+        mine = [t for t in trials if t["mode"] == mode]
+        seconds = [t["seconds"] for t in mine]
         median = statistics.median(seconds)
         summary[mode] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
                          "spread": (max(seconds) - min(seconds)) / median, "trials": len(seconds)}
+        if mode != "imagefolder":
+            overhead = [t["loader_s"] / t["dataset_s"] for t in mine]
+            summary[mode].update(loader_median_s=statistics.median(t["loader_s"] for t in mine),
+                                 overhead_median=statistics.median(overhead), overhead_min=min(overhead),
+                                 overhead_max=max(overhead))
     base = summary["imagefolder"]["median_s"]
     for mode in MODES:
         summary[mode]["x_imagefolder"] = summary[mode]["median_s"] / base
@@ -163,10 +174,13 @@ def table(result: dict) -> str:
     lines = [f"{result['files']} files in {result['classes']} classes, {result['trials_per_mode']} trials each; "
              f"git {result['git_sha'][:10] if result['git_sha'] else '?'}{' (dirty)' if result['git_dirty'] else ''}; "
              f"{result['machine']['summary']}", "",
-             "| construction | median s | min s | max s | spread | x ImageFolder |", "|---|---|---|---|---|---|"]
+             "| construction | median s | min s | max s | spread | x ImageFolder | coordl's part s | "
+             "+ over its own ImageFolder, median [min–max] |", "|---|---|---|---|---|---|---|---|"]
     for mode, s in result["summary"].items():
+        part = (f"{s['loader_median_s']:.3f} | {s['overhead_median']:+.1%} [{s['overhead_min']:+.1%}–"
+                f"{s['overhead_max']:+.1%}]") if "overhead_median" in s else "– | –"
         lines.append(f"| {mode} | {s['median_s']:.2f} | {s['min_s']:.2f} | {s['max_s']:.2f} | {s['spread']:.0%} | "
-                     f"{s['x_imagefolder']:.2f} |")
+                     f"{s['x_imagefolder']:.2f} | {part} |")
     if result.get("hit_cost"):
         lines += ["", f"cached fetch: {result['hit_cost']['hit_us']:.2f} µs per sample "
                       f"(best of 5 passes over {result['hit_cost']['files']} hits)"]

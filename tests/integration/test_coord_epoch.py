@@ -143,10 +143,10 @@ def test_a_job_interrupted_as_its_epoch_starts_leaves_it_to_the_others(members, 
     a, b = members(2, 6, expected_members=2)
     ticket = coord_prep.EpochTicket
 
-    def interrupted_for_a(epoch, count, slot):  # Ctrl-C after the epoch started with a, before a knew
+    def interrupted_for_a(epoch, count, slot, seed):  # Ctrl-C after the epoch started with a, before a knew
         if slot == a._slot:
             raise KeyboardInterrupt
-        return ticket(epoch, count, slot)
+        return ticket(epoch, count, slot, seed)
 
     monkeypatch.setattr(coord_prep, "EpochTicket", interrupted_for_a)
     with ThreadPoolExecutor(1) as pool:
