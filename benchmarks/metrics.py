@@ -48,25 +48,32 @@ def steady(run: dict) -> dict:
 
 
 def measured(runs: list[dict]) -> list[dict]:
-    """The runs that have epochs (not skipped, not failed)."""
-    return [r for r in runs if r["epochs"]]
+    """The runs that have epochs and no error (not skipped, not failed, not over their budget)."""
+    return [r for r in runs if r["epochs"] and "error" not in r]
 
 
-def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: float) -> None:
-    """Give every measured run a ``steady`` entry: steady-epoch means, the physical bound, and for
-    coordl's runs the speedup over each baseline at the same cache fraction.
+def spread(values: list[float]) -> dict:
+    """``median``, ``min``, ``max`` and ``n`` of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: float) -> list[dict]:
+    """Give every measured run a ``steady`` entry (steady-epoch means, the physical bound, and for
+    coordl's runs the speedup over each baseline of the same repetition and cache fraction), and
+    return one comparison per system and cache fraction over its repetitions: the :func:`spread` of
+    its steady time, device bytes and stall, and of each speedup.
 
     The bound of a steady epoch is the largest of: the bytes that must come from storage (dataset
     minus what the cache holds) at the throttled bandwidth; the training stand-in's compute; and,
-    when coordl ran with the same prep at cache fraction 1.0, its steady epoch with nothing to read
-    (the prep rate, as DS-Analyzer measures it; see :data:`PREP_REFERENCE`).
+    when coordl ran with the same prep at cache fraction 1.0 in the same repetition, its steady epoch
+    with nothing to read (see :data:`PREP_REFERENCE`).
     """
-    by_key = {(r["system"], r["cache_fraction"]): r for r in measured(runs)}
-    for run in by_key.values():
+    by_key = {(r["system"], r["cache_fraction"], r.get("rep", 0)): r for r in measured(runs)}
+    for (system, fraction, rep), run in by_key.items():
         s = steady(run)
-        cached = run["cache"]["bytes_cached"] if run.get("cache") else int(run["cache_fraction"] * dataset_bytes)
+        cached = run["cache"]["bytes_cached"] if run.get("cache") else int(fraction * dataset_bytes)
         must_read = max(0, dataset_bytes - cached)
-        full = by_key.get((PREP_REFERENCE[run["system"]], 1.0))
+        full = by_key.get((PREP_REFERENCE[system], 1.0, rep))
         bounds = {"io_bound_s": must_read / bandwidth, "compute_bound_s": s["batches"] * compute_ms / 1000,
                   "prep_bound_s": steady(full)["time_s"] if full else None}
         bound = max(v for v in bounds.values() if v is not None)
@@ -74,8 +81,18 @@ def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: 
                          "excess_read": s["device_read_bytes"] / must_read - 1 if must_read else None,
                          **bounds, "bound_s": bound, "of_bound": s["time_s"] / bound if bound else None,
                          "speedup": {}}
-        if run["system"] not in BASELINES:
+        if system not in BASELINES:
             for base in BASELINES:
-                other = by_key.get((base, run["cache_fraction"]))
+                other = by_key.get((base, fraction, rep))
                 if other:
                     run["steady"]["speedup"][base] = steady(other)["time_s"] / s["time_s"]
+    comparisons = []
+    for system, fraction in dict.fromkeys((k[0], k[1]) for k in by_key):
+        reps = [r["steady"] for k, r in by_key.items() if k[:2] == (system, fraction)]
+        bases = dict.fromkeys(b for r in reps for b in r["speedup"])
+        comparisons.append({
+            "system": system, "cache_fraction": fraction,
+            **{key: spread([r[key] for r in reps]) for key in ("time_s", "device_read_bytes", "stall_s")},
+            "min_device_read_bytes": reps[0]["min_device_read_bytes"],
+            "speedup": {b: spread([r["speedup"][b] for r in reps if b in r["speedup"]]) for b in bases}})
+    return comparisons

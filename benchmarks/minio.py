@@ -19,8 +19,9 @@ import sys
 import tempfile
 
 from benchmarks import cache_sim, metrics, report
-from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, ChildResult, Cleanup, Storage, evict_files,
-                                    prepare_storage, run_child)
+from benchmarks.storage_env import (BUDGET_TOLERANCE, FOLLOW_WINDOW_S, HEADROOM_BYTES, PREFIX, SLACK_BYTES,
+                                    ChildResult, Cleanup, Storage, evict_files, over_budget, prepare_storage,
+                                    run_child)
 from benchmarks.systems import COORDL_SYSTEMS, SYSTEMS, child_command, skip_reason
 
 MODES = {
@@ -58,7 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", default="/var/tmp",
                         help="where the generated dataset and the loop device's image go (a real disk)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=3,
+                        help="repetitions of every system and cache fraction, interleaved (default: 3)")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps should be at least 1, but got {args.reps}")
     for key, value in MODES["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -147,10 +152,11 @@ class Bench:
         print(f"{system}: warm-up, time limit {limit[1]}", flush=True)
         self._run_child(f"{system} warm-up", spec, limit)
 
-    def run(self, system: str, cache_fraction: float) -> dict:
+    def run(self, system: str, cache_fraction: float, rep: int) -> dict:
         """Run ``system`` from a cold page cache with a memory budget of ``cache_fraction`` of the
         dataset: its page cache (torch, DALI; of the dataset in whole pages) or its MinIO cache
-        (coordl). Returns its ``runs`` entry.
+        (coordl). Returns its ``runs`` entry (for repetition ``rep``), with an ``error`` if its page
+        cache broke its budget (:func:`~benchmarks.storage_env.over_budget`).
 
         Raises:
             RunFailed: it failed or timed out.
@@ -158,7 +164,7 @@ class Bench:
         coordl_cache = system in COORDL_SYSTEMS
         budget = int(cache_fraction * self.dataset_bytes)
         page_cache = 0 if coordl_cache else int(cache_fraction * self.dataset_page_bytes)
-        label = f"{system}-{round(cache_fraction * 100)}"
+        label = f"{system}-{round(cache_fraction * 100)}-{rep}"
         spec = dict(system=system, root=self.storage.root, epochs=self.args.epochs, batch_size=self.args.batch_size,
                     workers=self.args.workers, compute_ms=self.args.compute_ms,
                     cache_bytes=budget if coordl_cache else 0, cache_name=f"{self.tag}-{label}",
@@ -178,11 +184,26 @@ class Bench:
         print(f"  time limit {limit[1]}", flush=True)
         result = self._run_child(f"{system} at cache {cache_fraction:.0%}", spec, limit, group)
         rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-        return {"system": system, "cache_fraction": cache_fraction, "page_cache_budget_bytes": page_cache,
-                "cache_budget_bytes": spec["cache_bytes"], "time_limit_s": limit[0], "memory": result.memory,
-                **next({k: r[k] for k in ("build_s", "build_device_read_bytes")} for r in rows if "build_s" in r),
-                "cache": next((r["cache"] for r in rows if "cache" in r), None),
-                "epochs": [r for r in rows if "epoch" in r]}
+        run = {"system": system, "cache_fraction": cache_fraction, "rep": rep, "page_cache_budget_bytes": page_cache,
+               "cache_budget_bytes": spec["cache_bytes"], "time_limit_s": limit[0], "memory": result.memory,
+               **next({k: r[k] for k in ("build_s", "build_device_read_bytes")} for r in rows if "build_s" in r),
+               "cache": next((r["cache"] for r in rows if "cache" in r), None),
+               "epochs": [r for r in rows if "epoch" in r]}
+        why = over_budget(result.memory, page_cache)
+        if why:
+            run["error"] = f"{system} at cache {cache_fraction:.0%}: {why}"
+        return run
+
+
+def run_order(reps: int, fractions: list[float], systems: list[str]) -> list[tuple[int, float, str]]:
+    """(repetition, cache fraction, system) in the order they run: each repetition runs every point
+    once, so that drift on the machine spreads over all systems; the systems' order rotates by one
+    place per repetition, so that none always runs first or after the same neighbour."""
+    order = []
+    for rep in range(reps):
+        rotated = systems[rep % len(systems):] + systems[:rep % len(systems)]
+        order += [(rep, fraction, system) for fraction in fractions for system in rotated]
+    return order
 
 
 def _tree_bytes(root: str) -> int:
@@ -194,6 +215,7 @@ def main(argv=None) -> int:
     from coordl.synthetic import make_image_folder
 
     tag = f"{PREFIX}-{os.getpid()}"
+    load_at_start = os.getloadavg()
     with Cleanup() as cleanup:
         cleanup.callback(_remove_caches, tag)
         work = cleanup.workdir(args.workdir)
@@ -223,35 +245,40 @@ def main(argv=None) -> int:
                 broken[system] = e.record
                 print(f"{system}: FAILED: {e}", flush=True)
         runs = []
-        for fraction in args.fractions:
-            for system in args.systems:
-                if system in skipped or system in broken:
-                    why = {"skipped": skipped[system]} if system in skipped else broken[system]
-                    runs.append({"system": system, "cache_fraction": fraction, **why, "epochs": []})
-                    continue
-                print(f"{system} at cache {fraction:.0%} ...", flush=True)
-                try:
-                    run = bench.run(system, fraction)
-                except RunFailed as e:
-                    runs.append({"system": system, "cache_fraction": fraction, **e.record, "epochs": []})
-                    print(f"  FAILED: {e}", flush=True)
-                    continue
-                metrics.add_hits(run, sizes)
-                runs.append(run)
-                print(f"  built in {run['build_s']:.2f} s, {run['build_device_read_bytes'] / 2**20:.1f} MiB from the "
-                      "device", flush=True)
-                for e in run["epochs"]:
-                    print(f"  epoch {e['epoch']}: {e['time_s']:.2f} s, {e['device_read_bytes'] / 2**20:.1f} MiB "
-                          f"from the device, hits {e['hits']}, stall {e['stall_s']:.2f} s", flush=True)
+        for rep, fraction, system in run_order(args.reps, args.fractions, args.systems):
+            where = f"{system} at cache {fraction:.0%}, repetition {rep + 1} of {args.reps}"
+            if system in skipped or system in broken:
+                why = {"skipped": skipped[system]} if system in skipped else broken[system]
+                runs.append({"system": system, "cache_fraction": fraction, "rep": rep, **why, "epochs": []})
+                continue
+            print(f"{where} ...", flush=True)
+            try:
+                run = bench.run(system, fraction, rep)
+            except RunFailed as e:
+                runs.append({"system": system, "cache_fraction": fraction, "rep": rep, **e.record, "epochs": []})
+                print(f"  FAILED: {e}", flush=True)
+                continue
+            metrics.add_hits(run, sizes)
+            runs.append(run)
+            print(f"  built in {run['build_s']:.2f} s, {run['build_device_read_bytes'] / 2**20:.1f} MiB from the "
+                  f"device; page cache p99 {run['memory'].get('p99_page_cache_bytes', 0) / 2**20:.1f} MiB", flush=True)
+            for e in run["epochs"]:
+                print(f"  epoch {e['epoch']}: {e['time_s']:.2f} s, {e['device_read_bytes'] / 2**20:.1f} MiB "
+                      f"from the device, hits {e['hits']}, stall {e['stall_s']:.2f} s", flush=True)
+            if "error" in run:
+                print(f"  FAILED: {run['error']}", flush=True)
 
-        metrics.summarize(runs, bench.dataset_bytes, bench.bandwidth, args.compute_ms)
+        comparisons = metrics.summarize(runs, bench.dataset_bytes, bench.bandwidth, args.compute_ms)
         result = {"storage_mode": storage.mode, "dataset_on": storage.dataset_on, "dataset_device": storage.device,
-                  "dataset_bytes": bench.dataset_bytes, "bandwidth_bytes_per_s": bench.bandwidth, "runs": runs}
-        setup = {"storage_detail": storage.detail, "machine": report.machine(),
-                 "config": {"images": len(sizes), "mode": "quick" if args.quick else "full", "epochs": args.epochs,
-                            "cache_fractions": args.fractions, "systems": args.systems,
-                            "batch_size": args.batch_size, "workers": args.workers, "compute_ms": args.compute_ms,
-                            "seed": args.seed, "memory_headroom_bytes": HEADROOM_BYTES},
+                  "dataset_bytes": bench.dataset_bytes, "bandwidth_bytes_per_s": bench.bandwidth, "runs": runs,
+                  "comparisons": comparisons}
+        setup = {"storage_detail": storage.detail, "machine": report.machine(), "provenance": {
+                     **report.provenance(), "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
+                 "config": {**vars(args), "images": len(sizes), "mode": "quick" if args.quick else "full",
+                            "memory_headroom_bytes": HEADROOM_BYTES, "memory_slack_bytes": SLACK_BYTES,
+                            "memory_follow_window_s": FOLLOW_WINDOW_S, "budget_tolerance": BUDGET_TOLERANCE,
+                            "run_order": "repetitions outermost; in each, cache fractions, then systems rotated "
+                                         "by one place per repetition"},
                  "cache_sim": cache_sim.simulate_all(args.fractions, args.epochs, sizes=sizes, seed=args.seed)}
         written = report.write(result, setup, args.out)
         print("\n" + report.markdown(result, setup))
