@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fractions", type=float, nargs="+", help="cache fractions (quick: 0.5 1.0)")
     parser.add_argument("--epochs", type=int, help="epochs per run (quick: 3, full: 4)")
     parser.add_argument("--read-mbps", type=float, help="disk read bandwidth, MB/s (quick: 10, full: 15)")
+    parser.add_argument("--read-iops", type=int,
+                        help="disk read requests per second (cgroup mode; default: no limit)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2, help="loader worker processes / DALI threads")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="training stand-in: compute per batch")
@@ -64,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps should be at least 1, but got {args.reps}")
+    if args.read_iops is not None and (args.read_iops < 1 or args.storage == "emulated"):
+        parser.error(f"--read-iops should be a positive number of requests per second, in cgroup mode (the emulated "
+                     f"store models bandwidth only), but got --read-iops {args.read_iops} --storage {args.storage}")
     for key, value in MODES["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -80,15 +85,20 @@ def _remove_caches(tag: str) -> None:
 
 
 def child_timeout(epochs: int, dataset_bytes: int, read_bps: float | None, batches: int,
-                  compute_s: float) -> tuple[float, str]:
+                  compute_s: float, read_seconds_by_iops: float = 0.0) -> tuple[float, str]:
     """Seconds a child may run, and how they were derived: its start-up, then per epoch the whole
-    dataset read through the throttle (``read_bps``; None: not throttled) and prepped, and the
-    compute of every batch; times a margin."""
-    read = dataset_bytes / read_bps if read_bps else 0.0
+    dataset read through the throttle (``read_bps``; None: not throttled; or the read requests at the
+    IOPS limit, ``read_seconds_by_iops``, if that takes longer) and prepped, and the compute of every
+    batch; times a margin."""
+    read = max(dataset_bytes / read_bps if read_bps else 0.0, read_seconds_by_iops)
     prep, compute = dataset_bytes / PREP_BYTES_PER_S, batches * compute_s
     total = TIMEOUT_MARGIN * (STARTUP_S + epochs * (read + prep + compute))
     return total, (f"{total:.0f} s = {TIMEOUT_MARGIN:g} × ({STARTUP_S:.0f} s start-up + {epochs} epochs × "
                    f"({read:.1f} s reading + {prep:.1f} s prep + {compute:.1f} s compute))")
+
+
+READ_REQUEST_BYTES = 128 * 1024
+"""The largest read request a file's read is split into, as the readahead window (for the time limit)."""
 
 
 class RunFailed(Exception):
@@ -107,6 +117,7 @@ class Bench:
         self.args, self.cleanup, self.storage, self.tag = args, cleanup, storage, tag
         self.bandwidth = int(args.read_mbps * 10**6)
         self.dataset_bytes, self.batches = sum(sizes), -(-len(sizes) // args.batch_size)
+        self.read_requests = sum(1 + size // READ_REQUEST_BYTES for size in sizes)
         # The page cache holds whole pages: a page-cache budget is a fraction of this (a few % more).
         self.dataset_page_bytes = sum(-(-size // PAGE_BYTES) * PAGE_BYTES for size in sizes)
         self.store = None
@@ -173,14 +184,16 @@ class Bench:
         if self.storage.mode == "cgroup":
             evict_files(self.storage.root)
             group = self.cleanup.cgroup(f"{self.tag}-{label}", self.storage.cgroup_version, self.storage.device,
-                                        self.bandwidth, page_cache, shm_reserve_bytes=spec["cache_bytes"])
+                                        self.bandwidth, page_cache, shm_reserve_bytes=spec["cache_bytes"],
+                                        read_iops=self.args.read_iops)
             spec["counter"] = group.counter()
         else:
             self.store.reset(page_cache)
             spec.update(store_socket=self.store.socket_path,
                         counter={"kind": "emulated", "socket": self.store.socket_path})
         limit = child_timeout(self.args.epochs, self.dataset_bytes, self.bandwidth, self.batches,
-                              self.args.compute_ms / 1000)
+                              self.args.compute_ms / 1000, self.read_requests / self.args.read_iops
+                              if self.args.read_iops else 0.0)
         print(f"  time limit {limit[1]}", flush=True)
         result = self._run_child(f"{system} at cache {cache_fraction:.0%}", spec, limit, group)
         rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -224,12 +237,16 @@ def main(argv=None) -> int:
             print(f"generating {args.images} JPEGs in {source} ...", flush=True)
             make_image_folder(source, args.images, mean_side_px=args.mean_side_px, seed=args.seed)
         storage = prepare_storage(args.storage, source, cleanup, work)
+        if args.read_iops and storage.mode != "cgroup":
+            print(f"--read-iops needs cgroup mode, but the storage is {storage.mode} ({storage.detail})", flush=True)
+            return 2
         import torchvision
 
         sizes = [os.path.getsize(path) for path, _ in torchvision.datasets.ImageFolder(storage.root).samples]
         bench = Bench(args, cleanup, storage, sizes, tag)
         print(f"storage: {storage.mode}, dataset on {storage.dataset_on} ({storage.detail}); dataset {len(sizes)} "
-              f"files, {bench.dataset_bytes / 2**20:.1f} MiB; bandwidth {args.read_mbps} MB/s", flush=True)
+              f"files, {bench.dataset_bytes / 2**20:.1f} MiB; bandwidth {args.read_mbps} MB/s"
+              + (f", {args.read_iops} read requests/s" if args.read_iops else ""), flush=True)
 
         skipped = {s: why for s in args.systems if (why := skip_reason(s, storage.mode))}
         for system, why in skipped.items():

@@ -45,7 +45,7 @@ def provenance() -> dict:
             "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
 
 
-def _spread(s: dict, fmt=".2f", scale=1.0) -> str:
+def spread_text(s: dict, fmt=".2f", scale=1.0) -> str:
     """``median [min–max]`` of a :func:`~benchmarks.metrics.spread` (just the value for one run)."""
     if s["n"] == 1:
         return f"{s['median'] / scale:{fmt}}"
@@ -63,7 +63,8 @@ def markdown(result: dict, setup: dict) -> str:
     lines = [
         f"storage_mode: **{result['storage_mode']}**, dataset on **{result['dataset_on']}** "
         f"({setup['storage_detail']}); "
-        f"bandwidth {result['bandwidth_bytes_per_s'] / MIB:.1f} MiB/s; dataset {cfg['images']} JPEGs, "
+        f"bandwidth {result['bandwidth_bytes_per_s'] / MIB:.1f} MiB/s"
+        + (f", {cfg['read_iops']} read requests/s" if cfg.get("read_iops") else "") + f"; dataset {cfg['images']} JPEGs, "
         f"{dataset / MIB:.1f} MiB; batch {cfg['batch_size']}, {cfg['workers']} workers, "
         f"compute {cfg['compute_ms']:g} ms/batch; machine: {setup['machine']['summary']}.",
         "",
@@ -89,10 +90,10 @@ def markdown(result: dict, setup: dict) -> str:
               "| system | cache | runs | time_s | stall_s | device MiB | minimum MiB | speedup |",
               "|---|---|---|---|---|---|---|---|"]
     for c in result["comparisons"]:
-        speedup = ", ".join(f"{_spread(v)}× vs {k}" for k, v in c["speedup"].items()) or "–"
+        speedup = ", ".join(f"{spread_text(v)}× vs {k}" for k, v in c["speedup"].items()) or "–"
         lines.append(
-            f"| {c['system']} | {c['cache_fraction']:.0%} | {c['time_s']['n']} | {_spread(c['time_s'])} | "
-            f"{_spread(c['stall_s'])} | {_spread(c['device_read_bytes'], '.1f', MIB)} | "
+            f"| {c['system']} | {c['cache_fraction']:.0%} | {c['time_s']['n']} | {spread_text(c['time_s'])} | "
+            f"{spread_text(c['stall_s'])} | {spread_text(c['device_read_bytes'], '.1f', MIB)} | "
             f"{c['min_device_read_bytes'] / MIB:.1f} | {speedup} |")
     lines.append("")
     for run in result["runs"]:
@@ -104,7 +105,7 @@ def markdown(result: dict, setup: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -119,7 +120,7 @@ def plot_results(result: dict, out_dir: str) -> list[str]:
     """``steady_time.png`` (steady epoch time per system and cache fraction), ``device_bytes.png``
     (device bytes per epoch) and ``hit_rates.png`` (measured and simulated hit rate per epoch), one
     panel per cache fraction. Returns the files written ([] without matplotlib)."""
-    plt, runs = _pyplot(), measured(result["runs"])
+    plt, runs = pyplot(), measured(result["runs"])
     if plt is None or not runs:
         return []
     systems = list(dict.fromkeys(r["system"] for r in runs))
@@ -142,7 +143,7 @@ def plot_results(result: dict, out_dir: str) -> list[str]:
     ax.set_ylabel("steady epoch time (s): median, min–max")
     ax.set_title(f"Steady epoch time ({result['storage_mode']} storage)")
     ax.legend(fontsize=8)
-    written.append(_save(fig, plt, os.path.join(out_dir, "steady_time.png")))
+    written.append(save(fig, plt, os.path.join(out_dir, "steady_time.png")))
 
     written.append(_per_fraction(plt, runs, fractions, os.path.join(out_dir, "device_bytes.png"), "device read (MiB)",
                                  lambda e: e["device_read_bytes"] / MIB,
@@ -174,12 +175,12 @@ def _per_fraction(plt, runs, fractions, path, ylabel, value, reference, referenc
         ax.set_ylim(bottom=0)
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=8)
-    return _save(fig, plt, path)
+    return save(fig, plt, path)
 
 
 def plot_cache_sim(rows: list[dict], path: str) -> bool:
     """Simulated hit rate per epoch, one panel per cache fraction. False without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     fractions = sorted({r["cache_fraction"] for r in rows})
@@ -194,11 +195,11 @@ def plot_cache_sim(rows: list[dict], path: str) -> bool:
         ax.set_xlabel("epoch")
     axes[0][0].set_ylabel("hit rate")
     axes[0][-1].legend(fontsize=8)
-    _save(fig, plt, path)
+    save(fig, plt, path)
     return True
 
 
-def _save(fig, plt, path: str) -> str:
+def save(fig, plt, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -43,8 +43,10 @@ FOLLOW_WINDOW_S = 0.1
 again is not handed to the page cache and back (a longer window lets the page cache read into the
 room a freed batch leaves, up to the bandwidth times the window)."""
 BUDGET_TOLERANCE = 0.05
-"""A run's page cache may exceed its budget (plus :data:`SLACK_BYTES`) by this fraction at its
-99th percentile; beyond, the run is marked over budget."""
+BUDGET_TOLERANCE_MIN_BYTES = 3 * 2**20
+"""A run's page cache may exceed its budget plus :data:`SLACK_BYTES` by this fraction of the budget, or
+by :data:`BUDGET_TOLERANCE_MIN_BYTES` if that is more, at its 99th percentile (the throttle lets reads
+through in bursts, and a squeeze comes up to 20 ms after them); beyond, the run is over budget."""
 LOOP_TOOLS = ("losetup", "mkfs.ext4", "mount", "umount")
 FS_BLOCK = 4096
 UNMOUNT_TRIES_S = 10
@@ -245,7 +247,9 @@ def evict_files(root: str) -> None:
 class Cgroup:
     """The memory + I/O cgroup(s) of one system's run.
 
-    Reads from ``device`` (``MAJ:MIN``, the dataset's device) are throttled to ``read_bps``. Memory is
+    Reads from ``device`` (``MAJ:MIN``, the dataset's device) are throttled to ``read_bps`` and, if
+    given, ``read_iops`` read requests per second (what makes random reads of small files cost what
+    they cost on a disk with a seek or a flash page per request). Memory is
     bounded to what the processes hold (all but the page cache) plus ``page_cache_bytes`` and
     :data:`HEADROOM_BYTES`, and the page cache is held to ``page_cache_bytes`` whatever the loader's own
     footprint; :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
@@ -255,8 +259,8 @@ class Cgroup:
     """
 
     def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int,
-                 shm_reserve_bytes: int = 0):
-        self.version, self.device = version, device
+                 shm_reserve_bytes: int = 0, read_iops: int | None = None):
+        self.version, self.device, self.read_iops = version, device, read_iops
         self.page_cache_bytes, self.shm_reserve_bytes = page_cache_bytes, shm_reserve_bytes
         if version == 1:
             self.dirs = [os.path.join(CGROUP_ROOT, "memory", name), os.path.join(CGROUP_ROOT, "blkio", name)]
@@ -269,10 +273,12 @@ class Cgroup:
         if version == 1:
             _write(os.path.join(memory_dir, "memory.oom_control"), 1)
             _write(os.path.join(io_dir, "blkio.throttle.read_bps_device"), f"{device} {read_bps}")
+            if read_iops:
+                _write(os.path.join(io_dir, "blkio.throttle.read_iops_device"), f"{device} {read_iops}")
         else:
             if os.path.exists(os.path.join(memory_dir, "memory.swap.max")):
                 _write(os.path.join(memory_dir, "memory.swap.max"), 0)
-            _write(os.path.join(io_dir, "io.max"), f"{device} rbps={read_bps}")
+            _write(os.path.join(io_dir, "io.max"), f"{device} rbps={read_bps}" + (f" riops={read_iops}" if read_iops else ""))
         self.bound(0, 0)
 
     def counter(self) -> dict:
@@ -313,19 +319,21 @@ class Cgroup:
         events = dict(line.split() for line in _read(os.path.join(memory_dir, "memory.events")).splitlines())
         return int(events.get("high", 0)) + int(events.get("max", 0))
 
-    def bound(self, held: int, shmem: int, page_cache: int = 0) -> None:
-        """Set the memory limit for these holdings: what is held, the part of the shared-memory reserve
-        not yet taken, the page-cache budget and :data:`HEADROOM_BYTES` for allocations between two
-        updates. A page cache above its budget plus :data:`SLACK_BYTES` is first squeezed back to
-        that (the limit is lowered to it for a moment, and the kernel reclaims the tail of its own
-        LRU lists): so the page cache can never keep the headroom, which it would otherwise fill."""
-        base = held + max(0, self.shm_reserve_bytes - shmem)
+    def bound(self, held: int, shmem: int, page_cache: int = 0, held_now: int | None = None) -> None:
+        """Set the memory limit for ``held`` (the recent peak of what is held): that, the part of the
+        shared-memory reserve not yet taken, the page-cache budget and :data:`HEADROOM_BYTES` for
+        allocations between two updates. A ``page_cache`` above its budget plus :data:`SLACK_BYTES`
+        is first squeezed back to that: the limit is lowered for a moment to what is held now
+        (``held_now``) plus that, and the kernel reclaims the tail of its own LRU lists. So the page
+        cache never keeps the headroom, which it would otherwise fill."""
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
+        reserve = max(0, self.shm_reserve_bytes - shmem)
         if page_cache > self.page_cache_bytes + SLACK_BYTES:
+            squeeze = (held if held_now is None else held_now) + reserve + self.page_cache_bytes + SLACK_BYTES
             with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
-                _write(os.path.join(self.dirs[0], name), base + self.page_cache_bytes + SLACK_BYTES)
+                _write(os.path.join(self.dirs[0], name), squeeze)
         with contextlib.suppress(OSError):
-            _write(os.path.join(self.dirs[0], name), base + self.page_cache_bytes + HEADROOM_BYTES)
+            _write(os.path.join(self.dirs[0], name), held + reserve + self.page_cache_bytes + HEADROOM_BYTES)
 
     def lift(self) -> None:
         """Lift the memory bound and the throttle, so that tasks waiting on either run on (and can die)."""
@@ -333,7 +341,9 @@ class Cgroup:
         v1 = self.version == 1
         with contextlib.suppress(OSError):  # the group is gone
             _write(os.path.join(self.dirs[-1], "blkio.throttle.read_bps_device" if v1 else "io.max"),
-                   f"{self.device} 0" if v1 else f"{self.device} rbps=max")
+                   f"{self.device} 0" if v1 else f"{self.device} rbps=max riops=max")
+            if v1 and self.read_iops:
+                _write(os.path.join(self.dirs[-1], "blkio.throttle.read_iops_device"), f"{self.device} 0")
 
     def remove(self) -> None:
         """Kill what is left in the group, then remove it."""
@@ -446,7 +456,7 @@ def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) ->
                 recent.append((now, held))
                 while recent[0][0] < now - FOLLOW_WINDOW_S:
                     recent.popleft()
-                cgroup.bound(max(h for _, h in recent), shmem, page_cache)
+                cgroup.bound(max(h for _, h in recent), shmem, page_cache, held)
                 samples.append((now - started, held, page_cache))
 
     follower = threading.Thread(target=follow, daemon=True) if cgroup else None
@@ -500,17 +510,18 @@ def memory_summary(samples: list[tuple[float, int, int]], limit_hits: int | None
 
 def over_budget(memory: dict, page_cache_budget: int) -> str | None:
     """Why a run's page cache broke its budget (its 99th percentile above the budget plus
-    :data:`SLACK_BYTES`, times 1 + :data:`BUDGET_TOLERANCE`), or None. A group with no page-cache
-    budget is held to :data:`SLACK_BYTES` alone (coordl drops the pages it reads)."""
+    :data:`SLACK_BYTES` by more than the tolerance, :data:`BUDGET_TOLERANCE`), or None. A group with
+    no page-cache budget is held to :data:`SLACK_BYTES` and the tolerance (coordl drops the pages it reads)."""
     if not memory:
         return None
-    allowed = int((page_cache_budget + SLACK_BYTES) * (1 + BUDGET_TOLERANCE))
+    tolerance = max(int(BUDGET_TOLERANCE * page_cache_budget), BUDGET_TOLERANCE_MIN_BYTES)
+    allowed = page_cache_budget + SLACK_BYTES + tolerance
     p99 = memory["p99_page_cache_bytes"]
     if p99 <= allowed:
         return None
     return (f"page cache over budget: 99th percentile {p99 / 2**20:.1f} MiB > {allowed / 2**20:.1f} MiB allowed "
-            f"(budget {page_cache_budget / 2**20:.1f} MiB + {SLACK_BYTES / 2**20:.0f} MiB slack, "
-            f"+{BUDGET_TOLERANCE:.0%}); peak {memory['peak_page_cache_bytes'] / 2**20:.1f} MiB")
+            f"(budget {page_cache_budget / 2**20:.1f} MiB + {SLACK_BYTES / 2**20:.0f} MiB slack + "
+            f"{tolerance / 2**20:.1f} MiB tolerance); peak {memory['peak_page_cache_bytes'] / 2**20:.1f} MiB")
 
 
 def _quiet(read) -> int | None:

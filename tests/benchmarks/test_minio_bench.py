@@ -13,7 +13,7 @@ import time
 import pytest
 
 from benchmarks import minio
-from benchmarks.storage_env import PREFIX, block_device, cgroup_version
+from benchmarks.storage_env import PREFIX, block_device, cgroup_version, over_budget
 from benchmarks.systems import child_command
 from coordl.minio_cache import list_caches
 from tests import _procs
@@ -99,6 +99,7 @@ def test_smoke_run(tmp_path, mode):
             memory, budget = runs[system]["memory"], runs[system]["page_cache_budget_bytes"]
             assert memory["samples"] > 0 and memory["page_cache_series"]
             assert memory["peak_page_cache_bytes"] >= memory["p99_page_cache_bytes"] >= memory["p50_page_cache_bytes"]
+            assert over_budget(memory, budget) is None
         assert runs["torch"]["memory"]["peak_page_cache_bytes"] > 0  # torch's reads stay in its page cache
     with open(os.path.join(out, "setup.json")) as f:
         setup = json.load(f)
