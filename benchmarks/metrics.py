@@ -8,14 +8,16 @@ import statistics
 from benchmarks.cache_sim import simulate
 
 BASELINES = ("torch", "dali-seq", "dali-shuffle")
+PREP = ("prep-torch", "prep-dali")
 SIM_POLICY = {"torch": ("lru", "random"), "dali-shuffle": ("lru", "random"), "dali-seq": ("lru", "sequential"),
               "coordl": ("minio", "random"), "coordl-dali": ("minio", "random")}
 """How each system's cache behaves in :mod:`benchmarks.cache_sim`: the page cache is an LRU;
 DALI-seq reads in file order."""
-PREP_REFERENCE = {"torch": "coordl", "coordl": "coordl", "dali-seq": "coordl-dali", "dali-shuffle": "coordl-dali",
-                  "coordl-dali": "coordl-dali"}
-"""The system whose fully cached run (cache fraction 1.0: nothing to read) measures a system's prep
-rate: the same decode and augmentation (torch workers, or the DALI pipeline)."""
+PREP_REFERENCE = {"torch": "prep-torch", "coordl": "prep-torch", "prep-torch": "prep-torch",
+                  "dali-seq": "prep-dali", "dali-shuffle": "prep-dali", "coordl-dali": "prep-dali",
+                  "prep-dali": "prep-dali"}
+"""The measurement of a system's prep rate without any loader (``benchmarks.systems.PREP_SYSTEMS``: the
+same decode and augmentation of bytes in memory, on every worker), run at cache fraction 1.0."""
 
 
 def add_hits(run: dict, file_sizes: list[int]) -> None:
@@ -25,6 +27,10 @@ def add_hits(run: dict, file_sizes: list[int]) -> None:
     samples minus (device bytes read / mean file size); ``hits_source`` says which.
     """
     epochs = run["epochs"]
+    if run["system"] in PREP:  # everything in memory: nothing to hit or miss
+        for e in epochs:
+            e.update(hits=e["samples"], hits_source="in memory", hit_rate=1.0, simulated_hit_rate=1.0)
+        return
     mean_size = sum(file_sizes) / len(file_sizes)
     policy, order = SIM_POLICY[run["system"]]
     simulated = simulate(policy, run["cache_fraction"], len(epochs), sizes=file_sizes, order=order)
@@ -64,9 +70,8 @@ def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: 
     its steady time, device bytes and stall, and of each speedup.
 
     The bound of a steady epoch is the largest of: the bytes that must come from storage (dataset
-    minus what the cache holds) at the throttled bandwidth; the training stand-in's compute; and,
-    when coordl ran with the same prep at cache fraction 1.0 in the same repetition, its steady epoch
-    with nothing to read (see :data:`PREP_REFERENCE`).
+    minus what the cache holds) at the throttled bandwidth; the training stand-in's compute; and the
+    prep time of its :data:`PREP_REFERENCE` in the same repetition, where it ran.
     """
     by_key = {(r["system"], r["cache_fraction"], r.get("rep", 0)): r for r in measured(runs)}
     for (system, fraction, rep), run in by_key.items():
@@ -81,7 +86,7 @@ def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: 
                          "excess_read": s["device_read_bytes"] / must_read - 1 if must_read else None,
                          **bounds, "bound_s": bound, "of_bound": s["time_s"] / bound if bound else None,
                          "speedup": {}}
-        if system not in BASELINES:
+        if system not in BASELINES + PREP:
             for base in BASELINES:
                 other = by_key.get((base, fraction, rep))
                 if other:

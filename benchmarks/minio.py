@@ -21,8 +21,8 @@ import tempfile
 from benchmarks import cache_sim, metrics, report
 from benchmarks.storage_env import (BUDGET_TOLERANCE, FOLLOW_WINDOW_S, HEADROOM_BYTES, PREFIX, SLACK_BYTES,
                                     ChildResult, Cleanup, Storage, evict_files, over_budget, prepare_storage,
-                                    run_child)
-from benchmarks.systems import COORDL_SYSTEMS, SYSTEMS, child_command, skip_reason
+                                    run_child, warm_files)
+from benchmarks.systems import COORDL_SYSTEMS, PREP_SYSTEMS, SYSTEMS, child_command, skip_reason
 
 MODES = {
     "quick": dict(images=1200, fractions=[0.5, 1.0], epochs=3, read_mbps=10.0),
@@ -169,6 +169,10 @@ class Bench:
         (coordl). Returns its ``runs`` entry (for repetition ``rep``), with an ``error`` if its page
         cache broke its budget (:func:`~benchmarks.storage_env.over_budget`).
 
+        At cache fraction 1.0 (cgroup mode) the run compares prep, not storage: the dataset is in
+        the page cache from the start and memory is not bounded, for every system (coordl's epoch 1
+        fills its cache from the page cache).
+
         Raises:
             RunFailed: it failed or timed out.
         """
@@ -182,7 +186,12 @@ class Bench:
                     seed=self.args.seed, store_socket=None)
         group = None
         if self.storage.mode == "cgroup":
-            evict_files(self.storage.root)
+            warm = cache_fraction >= 1.0
+            if warm:
+                warm_files(self.storage.root)
+                page_cache = None
+            else:
+                evict_files(self.storage.root)
             group = self.cleanup.cgroup(f"{self.tag}-{label}", self.storage.cgroup_version, self.storage.device,
                                         self.bandwidth, page_cache, shm_reserve_bytes=spec["cache_bytes"],
                                         read_iops=self.args.read_iops)
@@ -202,7 +211,7 @@ class Bench:
                **next({k: r[k] for k in ("build_s", "build_device_read_bytes")} for r in rows if "build_s" in r),
                "cache": next((r["cache"] for r in rows if "cache" in r), None),
                "epochs": [r for r in rows if "epoch" in r]}
-        why = over_budget(result.memory, page_cache)
+        why = over_budget(result.memory, page_cache) if page_cache is not None else None
         if why:
             run["error"] = f"{system} at cache {cache_fraction:.0%}: {why}"
         return run
@@ -211,11 +220,17 @@ class Bench:
 def run_order(reps: int, fractions: list[float], systems: list[str]) -> list[tuple[int, float, str]]:
     """(repetition, cache fraction, system) in the order they run: each repetition runs every point
     once, so that drift on the machine spreads over all systems; the systems' order rotates by one
-    place per repetition, so that none always runs first or after the same neighbour."""
+    place per repetition, so that none always runs first or after the same neighbour. At cache
+    fraction 1.0 the prep rates the systems' bounds need (:data:`~benchmarks.metrics.PREP_REFERENCE`)
+    are measured too."""
     order = []
     for rep in range(reps):
-        rotated = systems[rep % len(systems):] + systems[:rep % len(systems)]
-        order += [(rep, fraction, system) for fraction in fractions for system in rotated]
+        for fraction in fractions:
+            points = list(systems)
+            if fraction >= 1.0:
+                points += list(dict.fromkeys(metrics.PREP_REFERENCE[s] for s in systems if s not in PREP_SYSTEMS))
+            shift = rep % len(points)
+            order += [(rep, fraction, system) for system in points[shift:] + points[:shift]]
     return order
 
 
@@ -248,21 +263,23 @@ def main(argv=None) -> int:
               f"files, {bench.dataset_bytes / 2**20:.1f} MiB; bandwidth {args.read_mbps} MB/s"
               + (f", {args.read_iops} read requests/s" if args.read_iops else ""), flush=True)
 
-        skipped = {s: why for s in args.systems if (why := skip_reason(s, storage.mode))}
+        order = run_order(args.reps, args.fractions, args.systems)
+        everything = list(dict.fromkeys(system for _, _, system in order))
+        skipped = {s: why for s in everything if (why := skip_reason(s, storage.mode))}
         for system, why in skipped.items():
             print(f"{system}: skipped ({why})", flush=True)
         warm_up_root = os.path.join(work, "warm-up")
         make_image_folder(warm_up_root, WARM_UP_BATCHES * args.batch_size, mean_side_px=args.mean_side_px,
                           seed=args.seed + 1)
         broken = {}
-        for system in (s for s in args.systems if s not in skipped):
+        for system in (s for s in everything if s not in skipped):
             try:
                 bench.warm_up(system, warm_up_root, _tree_bytes(warm_up_root))
             except RunFailed as e:
                 broken[system] = e.record
                 print(f"{system}: FAILED: {e}", flush=True)
         runs = []
-        for rep, fraction, system in run_order(args.reps, args.fractions, args.systems):
+        for rep, fraction, system in order:
             where = f"{system} at cache {fraction:.0%}, repetition {rep + 1} of {args.reps}"
             if system in skipped or system in broken:
                 why = {"skipped": skipped[system]} if system in skipped else broken[system]

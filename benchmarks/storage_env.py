@@ -244,6 +244,15 @@ def evict_files(root: str) -> None:
                 os.close(fd)
 
 
+def warm_files(root: str) -> None:
+    """Read every file under ``root`` into the page cache (reads charged to the calling process's group)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                while f.read(1 << 20):
+                    pass
+
+
 class Cgroup:
     """The memory + I/O cgroup(s) of one system's run.
 
@@ -252,13 +261,13 @@ class Cgroup:
     they cost on a disk with a seek or a flash page per request). Memory is
     bounded to what the processes hold (all but the page cache) plus ``page_cache_bytes`` and
     :data:`HEADROOM_BYTES`, and the page cache is held to ``page_cache_bytes`` whatever the loader's own
-    footprint; :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
+    footprint (``page_cache_bytes=None``: memory is not bounded); :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
     from the start, so that the cache can be allocated. The kernel does not kill for memory in the
     group (v1: ``oom_control``; v2: ``memory.high`` throttles): a process that outgrows the limit
     waits for the next :meth:`bound`.
     """
 
-    def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int,
+    def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int | None,
                  shm_reserve_bytes: int = 0, read_iops: int | None = None):
         self.version, self.device, self.read_iops = version, device, read_iops
         self.page_cache_bytes, self.shm_reserve_bytes = page_cache_bytes, shm_reserve_bytes
@@ -327,13 +336,15 @@ class Cgroup:
         (``held_now``) plus that, and the kernel reclaims the tail of its own LRU lists. So the page
         cache never keeps the headroom, which it would otherwise fill."""
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
+        if self.page_cache_bytes is None:  # not bounded
+            held = 10**15
         reserve = max(0, self.shm_reserve_bytes - shmem)
-        if page_cache > self.page_cache_bytes + SLACK_BYTES:
+        if self.page_cache_bytes is not None and page_cache > self.page_cache_bytes + SLACK_BYTES:
             squeeze = (held if held_now is None else held_now) + reserve + self.page_cache_bytes + SLACK_BYTES
             with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
                 _write(os.path.join(self.dirs[0], name), squeeze)
         with contextlib.suppress(OSError):
-            _write(os.path.join(self.dirs[0], name), held + reserve + self.page_cache_bytes + HEADROOM_BYTES)
+            _write(os.path.join(self.dirs[0], name), held + reserve + (self.page_cache_bytes or 0) + HEADROOM_BYTES)
 
     def lift(self) -> None:
         """Lift the memory bound and the throttle, so that tasks waiting on either run on (and can die)."""

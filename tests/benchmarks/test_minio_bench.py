@@ -163,3 +163,22 @@ def test_a_hung_system_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
     assert "torch at 50%, repetition 1: FAILED: torch at cache 50% timed out" in (out / "results.md").read_text()
     assert _procs.command_lines(lambda cmd: "hung-system" in cmd) == []
     assert _leftovers(os.getpid(), str(work)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("cgroup" not in MODES, reason="needs root and cgroups")
+def test_at_cache_100_every_system_starts_warm_and_the_prep_bound_is_measured_without_a_loader(tmp_path):
+    proc, work, out = _start(tmp_path, "cgroup", "--epochs", "2", "--reps", "1", "--fractions", "1.0",
+                             "--systems", "torch", "coordl")
+    log = proc.communicate(timeout=360)[0]
+    assert proc.returncode == 0, log
+    with open(os.path.join(out, "results.json")) as f:
+        runs = {r["system"]: r for r in json.load(f)["runs"]}
+    assert set(runs) == {"torch", "coordl", "prep-torch"}
+    for system in ("torch", "coordl"):
+        assert [e["device_read_bytes"] for e in runs[system]["epochs"]] == [0, 0]  # warm from the start
+        assert runs[system]["page_cache_budget_bytes"] is None  # memory not bounded
+    prep = runs["prep-torch"]
+    assert [e["samples"] for e in prep["epochs"]] == [IMAGES, IMAGES]
+    assert runs["torch"]["steady"]["prep_bound_s"] == prep["steady"]["time_s"]
+    assert _leftovers(proc.pid, work, str(tmp_path / "tmp")) == []
