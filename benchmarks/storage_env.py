@@ -261,7 +261,8 @@ class Cgroup:
     they cost on a disk with a seek or a flash page per request). Memory is
     bounded to what the processes hold (all but the page cache) plus ``page_cache_bytes`` and
     :data:`HEADROOM_BYTES`, and the page cache is held to ``page_cache_bytes`` whatever the loader's own
-    footprint (``page_cache_bytes=None``: memory is not bounded); :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
+    footprint (``page_cache_bytes=None``: memory is not bounded); :meth:`bound` moves the limit as
+    holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
     from the start, so that the cache can be allocated. The kernel does not kill for memory in the
     group (v1: ``oom_control``; v2: ``memory.high`` throttles): a process that outgrows the limit
     waits for the next :meth:`bound`.
@@ -336,15 +337,16 @@ class Cgroup:
         (``held_now``) plus that, and the kernel reclaims the tail of its own LRU lists. So the page
         cache never keeps the headroom, which it would otherwise fill."""
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
-        if self.page_cache_bytes is None:  # not bounded
-            held = 10**15
+        budget = self.page_cache_bytes
+        if budget is None:  # not bounded
+            held, budget = 10**15, 0
         reserve = max(0, self.shm_reserve_bytes - shmem)
-        if self.page_cache_bytes is not None and page_cache > self.page_cache_bytes + SLACK_BYTES:
-            squeeze = (held if held_now is None else held_now) + reserve + self.page_cache_bytes + SLACK_BYTES
+        if self.page_cache_bytes is not None and page_cache > budget + SLACK_BYTES:
+            squeeze = (held if held_now is None else held_now) + reserve + budget + SLACK_BYTES
             with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
                 _write(os.path.join(self.dirs[0], name), squeeze)
         with contextlib.suppress(OSError):
-            _write(os.path.join(self.dirs[0], name), held + reserve + (self.page_cache_bytes or 0) + HEADROOM_BYTES)
+            _write(os.path.join(self.dirs[0], name), held + reserve + budget + HEADROOM_BYTES)
 
     def lift(self) -> None:
         """Lift the memory bound and the throttle, so that tasks waiting on either run on (and can die)."""
@@ -444,53 +446,64 @@ class ChildResult:
     memory: dict
 
 
-def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> ChildResult:
-    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction, for at most
-    ``timeout_s``.
+class MemoryFollower:
+    """While started, every 20 ms: moves ``cgroup``'s memory bound to what its processes hold (the most in
+    the last :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`)."""
 
-    Every 20 ms while it runs, the cgroup's memory bound follows what its processes hold (the most
-    in the last :data:`FOLLOW_WINDOW_S`), and the group's page cache is sampled (see
-    :func:`memory_summary`). The whole process group is killed when this returns, early or not
-    (timeout, Ctrl-C, error), and the group's bounds lifted so that tasks waiting on them can die.
-    """
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
-    samples, done = [], threading.Event()
-    started = time.monotonic()
+    def __init__(self, cgroup: "Cgroup"):
+        self.cgroup, self.samples, self.limit_hits = cgroup, [], None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._started = time.monotonic()
 
-    def follow() -> None:
+    def _follow(self) -> None:
         recent = collections.deque()  # (time, held)
-        while not done.wait(0.02):
+        while not self._done.wait(0.02):
             with contextlib.suppress(OSError):
-                held, shmem, page_cache = cgroup.memory()
+                held, shmem, page_cache = self.cgroup.memory()
                 now = time.monotonic()
                 recent.append((now, held))
                 while recent[0][0] < now - FOLLOW_WINDOW_S:
                     recent.popleft()
-                cgroup.bound(max(h for _, h in recent), shmem, page_cache, held)
-                samples.append((now - started, held, page_cache))
+                self.cgroup.bound(max(h for _, h in recent), shmem, page_cache, held)
+                self.samples.append((now - self._started, held, page_cache, shmem))
 
-    follower = threading.Thread(target=follow, daemon=True) if cgroup else None
-    timed_out, limit_hits = False, None
+    def start(self) -> "MemoryFollower":
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        """Stop following, lift the group's bounds (so that tasks waiting on them can die) and return
+        the :func:`memory_summary` ({} without samples)."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.limit_hits = _quiet(self.cgroup.limit_hits)
+        self.cgroup.lift()
+        return memory_summary(self.samples, self.limit_hits) if self.samples else {}
+
+
+def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> ChildResult:
+    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction, for at most
+    ``timeout_s``, its memory followed by a :class:`MemoryFollower`. The whole process group is killed
+    when this returns, early or not (timeout, Ctrl-C, error), and the group's bounds lifted."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
+    follower = MemoryFollower(cgroup).start() if cgroup else None
+    timed_out, memory = False, {}
     try:
-        if follower:
-            follower.start()
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
-        done.set()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the child's workers, if it left any
         if follower:
-            follower.join()
-        if cgroup:
-            limit_hits = _quiet(cgroup.limit_hits)
-            cgroup.lift()
+            memory = follower.stop()
     if timed_out:
         out, err = _drain(proc)
     proc.wait()
-    memory = memory_summary(samples, limit_hits) if samples else {}
     return ChildResult(proc.returncode, out, err, timed_out, memory)
 
 
@@ -502,27 +515,28 @@ def _percentile(values: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def memory_summary(samples: list[tuple[float, int, int]], limit_hits: int | None) -> dict:
-    """What a group held and its page cache, from ``(seconds, held, page cache)`` samples: peak and mean
-    held; the page cache's mean, median, 95th and 99th percentile and maximum; the page cache every
-    :data:`SERIES_STEP_S` (``page_cache_series``: ``[seconds, bytes]``); and ``limit_hits``."""
-    _, held, cache = zip(*samples)
+def memory_summary(samples: list[tuple[float, int, int, int]], limit_hits: int | None) -> dict:
+    """What a group held and its page cache, from ``(seconds, held, page cache, shared memory)`` samples:
+    peak and mean held; the page cache's mean, median, 95th and 99th percentile and maximum; the page
+    cache every :data:`SERIES_STEP_S` (``page_cache_series``: ``[seconds, bytes]``); shared memory's
+    peak; and ``limit_hits``."""
+    _, held, cache, shared = zip(*samples)
     series, next_t = [], 0.0
-    for t, _, c in samples:
+    for t, _, c, _ in samples:
         if t >= next_t:
             series.append([round(t, 2), c])
             next_t = t + SERIES_STEP_S
     return {"peak_held_bytes": max(held), "mean_held_bytes": int(sum(held) / len(held)),
             "mean_page_cache_bytes": int(sum(cache) / len(cache)), "p50_page_cache_bytes": _percentile(cache, 0.5),
             "p95_page_cache_bytes": _percentile(cache, 0.95), "p99_page_cache_bytes": _percentile(cache, 0.99),
-            "peak_page_cache_bytes": max(cache), "samples": len(cache), "limit_hits": limit_hits,
-            "page_cache_series": series}
+            "peak_page_cache_bytes": max(cache), "peak_shmem_bytes": max(shared), "samples": len(cache),
+            "limit_hits": limit_hits, "page_cache_series": series}
 
 
 def over_budget(memory: dict, page_cache_budget: int) -> str | None:
     """Why a run's page cache broke its budget (its 99th percentile above the budget plus
-    :data:`SLACK_BYTES` by more than the tolerance, :data:`BUDGET_TOLERANCE`), or None. A group with
-    no page-cache budget is held to :data:`SLACK_BYTES` and the tolerance (coordl drops the pages it reads)."""
+    :data:`SLACK_BYTES` by more than the tolerance, :data:`BUDGET_TOLERANCE`), or None. A group with no
+    page-cache budget is held to :data:`SLACK_BYTES` and the tolerance (coordl drops the pages it reads)."""
     if not memory:
         return None
     tolerance = max(int(BUDGET_TOLERANCE * page_cache_budget), BUDGET_TOLERANCE_MIN_BYTES)

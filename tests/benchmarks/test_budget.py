@@ -34,9 +34,10 @@ def test_mapped_dataset_pages_count_as_page_cache(tmp_path):
 
 
 def test_the_summary_keeps_percentiles_the_peak_and_a_series():
-    samples = [(i * 0.02, 5 * MIB, (10 if i < 99 else 40) * MIB) for i in range(100)]
+    samples = [(i * 0.02, 5 * MIB, (10 if i < 99 else 40) * MIB, 2 * MIB) for i in range(100)]
     summary = memory_summary(samples, limit_hits=7)
     assert summary["p50_page_cache_bytes"] == 10 * MIB and summary["peak_page_cache_bytes"] == 40 * MIB
+    assert summary["peak_shmem_bytes"] == 2 * MIB
     assert summary["p99_page_cache_bytes"] == 40 * MIB and summary["limit_hits"] == 7
     assert [t for t, _ in summary["page_cache_series"]] == [0.0, 0.5, 1.0, 1.5]
 
