@@ -12,12 +12,18 @@ job the same workers (default: cores // K). With ``--backend dali`` the same two
 DALI jobs (``fn.readers.file``, reshuffled every epoch) against K coordl jobs with ``backend="dali"``
 in one hp_group, both decoding and augmenting with the ``image_classification`` preset on the CPU.
 
+Storage and memory as in ``benchmarks.minio`` (see :mod:`benchmarks.storage_env`): as root, the dataset
+sits on a loop device of its own whose reads are throttled to ``--read-mbps`` and counted, and each
+system's K jobs share one memory cgroup with a budget of ``--memory-fraction`` of the dataset: the
+baseline's page cache gets all of it; coordl's staging area (``hp_staging_bytes``) comes out of it and
+its page cache gets the rest. So the K independent jobs pay the paper's I/O amplification (each reads
+the dataset through a page cache too small to hold it), where the group reads it once per epoch.
+Without root there is no throttle and no bound, and device bytes come from each job's /proc/self/io.
+
 Reported per system: per-job samples/s per epoch, samples decoded per epoch over all jobs, bytes read
-from the block device while the jobs train (counted from the moment all K jobs have started up, when
-they begin together), and (coordl) the staging area's peak. Device bytes come from a blkio cgroup
-holding the system's jobs when run as root with cgroup v1 (optionally also memory-limited with
-``--memory-limit-mb``), else from each job's /proc/self/io (which includes its reaped workers); the
-output says which. The dataset's files are evicted from the page cache before each system.
+from the dataset's device while the jobs train (counted from the moment all K jobs have started up,
+when they begin together), the page cache and held memory of the group, and (coordl) the staging
+area's peak. The dataset's files are evicted from the page cache before each system.
 """
 
 import argparse
@@ -33,14 +39,12 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import machine
-from benchmarks.storage_env import (Cleanup, block_device, cgroup_version, device_read_bytes, evict_files,
-                                    remove_cgroup_dir)
+from benchmarks.report import machine, provenance
+from benchmarks.storage_env import (PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes, evict_files,
+                                    over_budget, prepare_storage)
 
-CGROUP_ROOT = "/sys/fs/cgroup"
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
 """Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
-UNLIMITED_BPS = 100 * 10**9  # blkio accounts only devices with a rule; this one never throttles
 
 
 def _write(path: str, value) -> None:
@@ -54,37 +58,14 @@ def _proc_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-class _Cgroups:
-    """A blkio cgroup (counting device reads) and a memory cgroup for one system's jobs; removed on exit."""
-
-    def __init__(self, name: str, device: str, memory_limit: int | None):
-        self.blkio = os.path.join(CGROUP_ROOT, "blkio", name)
-        self.memory = os.path.join(CGROUP_ROOT, "memory", name)
-        self.counter = {"kind": "cgroup1", "file": os.path.join(self.blkio, "blkio.throttle.io_service_bytes"),
-                        "device": device}
-        try:
-            for path in (self.blkio, self.memory):
-                os.makedirs(path)
-            _write(os.path.join(self.blkio, "blkio.throttle.read_bps_device"), f"{device} {UNLIMITED_BPS}")
-            if memory_limit:
-                _write(os.path.join(self.memory, "memory.limit_in_bytes"), memory_limit)
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __enter__(self) -> "_Cgroups":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for path in (self.blkio, self.memory):
-            remove_cgroup_dir(path)
+def staging_bytes(budget: int | None) -> str | int:
+    """The coordl group's staging area: "auto" without a memory budget, else half of it, which the
+    group's page cache does without (the group admits one batch beyond it)."""
+    return "auto" if budget is None else budget // 2
 
 
 def run_child(args) -> None:
     """One training job: print one JSON line per epoch (and the group's state, for the coordl systems)."""
-    for group_dir in (args.blkio_cgroup, args.memory_cgroup):
-        if group_dir:
-            _write(os.path.join(group_dir, "cgroup.procs"), os.getpid())
     import torch.utils.data
     import torchvision
     from torchvision import transforms as T
@@ -95,7 +76,8 @@ def run_child(args) -> None:
 
     grouped = args.child.startswith("coordl")
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
-    group = dict(cache_bytes=args.cache_bytes, hp_group=args.group, hp_group_size=args.jobs, hp_group_timeout_s=300)
+    group = dict(cache_bytes=args.cache_bytes, hp_group=args.group, hp_group_size=args.jobs, hp_group_timeout_s=300,
+                 hp_staging_bytes=int(args.staging_bytes) if args.staging_bytes.isdigit() else args.staging_bytes)
     if args.child == "dali":  # a plain DALI user's job: reads and reshuffles on its own
         loader = file_reader_loader(args.root, order="shuffle", batch_size=args.batch_size, num_threads=args.workers,
                                     seed=os.getpid())
@@ -129,42 +111,58 @@ def run_child(args) -> None:
         loader.close()
 
 
-def _run_system(system: str, args, root: str, device: str | None, workdir: str) -> dict:
-    """Start the system's K jobs together and wait for them; their rows and the system's device reads."""
-    name = f"coordl-coordprep-{os.getpid()}-{system}"
-    memory_limit = args.memory_limit_mb * 2**20 or None
-    with _Cgroups(name, device, memory_limit) if device else contextlib.nullcontext() as cgroups:
-        return _run_jobs(system, args, root, device, cgroups, workdir)
+def _run_system(system: str, args, storage: Storage, cleanup: Cleanup, workdir: str, dataset_bytes: int) -> dict:
+    """Start the system's K jobs together (in one cgroup, as root) and wait for them; their rows, the
+    system's device reads and its group's memory."""
+    budget = int(args.memory_fraction * dataset_bytes) if args.memory_fraction else None
+    staging = staging_bytes(budget) if system.startswith("coordl") else 0
+    page_cache = None if budget is None else budget - (staging or 0)
+    evict_files(storage.root)
+    group = None
+    if storage.mode == "cgroup":  # the staging area counts as held (shared memory) from the start
+        group = cleanup.cgroup(f"{PREFIX}-coordprep-{os.getpid()}-{system}", storage.cgroup_version, storage.device,
+                               int(args.read_mbps * 10**6), page_cache,
+                               shm_reserve_bytes=staging if isinstance(staging, int) else 0)
+    try:
+        run = _run_jobs(system, args, storage.root, group, workdir, staging)
+    finally:
+        if group is not None:
+            group.remove()
+    run.update(memory_budget_bytes=budget, page_cache_budget_bytes=page_cache, staging_bytes=staging)
+    run["over_budget"] = over_budget(run["memory"], page_cache) if page_cache is not None else None
+    return run
 
 
-def _run_jobs(system: str, args, root: str, device: str | None, cgroups: "_Cgroups | None", workdir: str) -> dict:
+def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging) -> dict:
     group, barrier = f"bench-{secrets.token_hex(4)}", os.path.join(workdir, f"{system}.go")
     cmd = [sys.executable, "-m", "benchmarks.coordprep", "--child", system, "--root", root, "--group", group,
            "--barrier", barrier,
            "--jobs", str(args.jobs), "--epochs", str(args.epochs), "--workers", str(args.workers),
-           "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--cache-bytes", str(args.cache_bytes)]
-    if cgroups is not None:
-        cmd += ["--blkio-cgroup", cgroups.blkio, "--memory-cgroup", cgroups.memory]
-    evict_files(root)
+           "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--cache-bytes", str(args.cache_bytes),
+           "--staging-bytes", str(staging)]
     logs = [tuple(open(os.path.join(workdir, f"{system}-{k}.{kind}"), "w+") for kind in ("out", "err"))
             for k in range(args.jobs)]
-    procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True) for out, err in logs]
+    procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True,
+                              preexec_fn=cgroup.join if cgroup else None) for out, err in logs]
+    follower, memory = MemoryFollower(cgroup).start() if cgroup else None, {}
     try:
         # Count device reads from the moment every job has imported its libraries and built its loader.
         while not all(os.path.exists(f"{barrier}.{p.pid}") or p.poll() is not None for p in procs):
             time.sleep(0.05)
-        read_before = device_read_bytes(cgroups.counter) if cgroups is not None else 0
+        read_before = device_read_bytes(cgroup.counter()) if cgroup is not None else 0
         _write(barrier, "go")
         for proc, (_, err) in zip(procs, logs):
             if proc.wait(timeout=3600) != 0:
                 err.seek(0)
-                raise RuntimeError(f"a {system} job failed (exit {proc.returncode}; OOM-killed if -9):\n"
-                                   f"{err.read()[-3000:]}")
+                raise RuntimeError(f"a {system} job failed (exit {proc.returncode}):\n{err.read()[-3000:]}")
+        device_bytes = device_read_bytes(cgroup.counter()) - read_before if cgroup is not None else None
     finally:
         for proc in procs:  # each job with its workers (its own session)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if follower:
+            memory = follower.stop()
     jobs = []
     for out, err in logs:
         out.seek(0)
@@ -173,14 +171,12 @@ def _run_jobs(system: str, args, root: str, device: str | None, cgroups: "_Cgrou
         err.close()
     rows = [[r for r in job if "epoch" in r] for job in jobs]
     group_state = next((r["group"] for job in jobs for r in job if "group" in r), None)
-    if cgroups is not None:
-        device_bytes = device_read_bytes(cgroups.counter) - read_before
-    else:
+    if device_bytes is None:
         device_bytes = sum(r["proc_read_bytes"] for job in rows for r in job)
-    return {"jobs": rows, "device_read_bytes": device_bytes, "group": group_state}
+    return {"jobs": rows, "device_read_bytes": device_bytes, "group": group_state, "memory": memory}
 
 
-def _summary(system: dict, epochs: int, dataset_images: int) -> dict:
+def _summary(system: dict, epochs: int, dataset_images: int, dataset_bytes: int) -> dict:
     steady = [r for job in system["jobs"] for r in job if r["epoch"] > 1 or epochs == 1]
     decoded = [sum(r["decoded"] for job in system["jobs"] for r in job if r["epoch"] == e)
                for e in range(1, epochs + 1)]
@@ -190,32 +186,43 @@ def _summary(system: dict, epochs: int, dataset_images: int) -> dict:
         "decoded_per_epoch": decoded,
         "decoded_x_dataset": [round(d / dataset_images, 2) for d in decoded],
         "device_read_bytes": system["device_read_bytes"],
+        "device_read_x_dataset_per_epoch": round(system["device_read_bytes"] / dataset_bytes / epochs, 2),
+        "peak_page_cache_bytes": system["memory"].get("peak_page_cache_bytes"),
+        "p99_page_cache_bytes": system["memory"].get("p99_page_cache_bytes"),
+        "page_cache_budget_bytes": system["page_cache_budget_bytes"],
+        "over_budget": system.get("over_budget"),
         "staging_peak_bytes": group["peak_staged_bytes"] if group else None,
         "staging_capacity_bytes": group["capacity_bytes"] if group else None,
     }
 
 
 def _tags() -> dict:
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    return {"host": platform.node(), "machine": machine(), "git_sha": sha}
+    return {"host": platform.node(), "machine": machine(), **provenance(), "load_average": os.getloadavg()}
 
 
 def _markdown(result: dict) -> str:
     mib = 2**20
     s = result["summary"]
+    bound = (f"memory budget {result['memory_fraction']:.0%} of the dataset per system"
+             if result["memory_fraction"] else "memory not bounded")
     lines = [f"K = {result['jobs']} jobs, {result['images']} JPEGs ({result['dataset_bytes'] / mib:.1f} MiB), "
              f"{result['epochs']} epochs, batch {result['batch_size']}, {result['workers_per_job']} worker(s) per job, "
-             f"training step {result['step_ms']} ms; device bytes from {result['storage_mode']}.", "",
-             "| system | per-job samples/s | speedup | decoded per epoch (all jobs) | x dataset | device read MiB "
-             "| staging peak MiB |", "|---|---|---|---|---|---|---|"]
+             f"training step {result['step_ms']} ms; {bound}; storage {result['storage_mode']}.", "",
+             "| system | per-job samples/s | speedup | speedup / K | decoded per epoch (all jobs) | x dataset "
+             "| device read MiB | x dataset per epoch | page cache p99 MiB (budget) | staging peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     baseline = next(iter(s))
     for name, row in s.items():
         speedup = row["per_job_samples_per_s"] / s[baseline]["per_job_samples_per_s"]
         peak = f"{row['staging_peak_bytes'] / mib:.1f}" if row["staging_peak_bytes"] is not None else "-"
-        lines.append(f"| {name} | {row['per_job_samples_per_s']:.1f} | {speedup:.2f}x | "
+        cache = "-" if row["p99_page_cache_bytes"] is None else (
+            f"{row['p99_page_cache_bytes'] / mib:.1f} ({(row['page_cache_budget_bytes'] or 0) / mib:.1f})")
+        lines.append(f"| {name} | {row['per_job_samples_per_s']:.1f} | {speedup:.2f}x | {speedup / result['jobs']:.2f} | "
                      f"{', '.join(map(str, row['decoded_per_epoch']))} | "
                      f"{', '.join(map(str, row['decoded_x_dataset']))} | "
-                     f"{row['device_read_bytes'] / mib:.1f} | {peak} |")
+                     f"{row['device_read_bytes'] / mib:.1f} | {row['device_read_x_dataset_per_epoch']} | {cache} | "
+                     f"{peak} |")
+    lines += [f"- {name}: OVER BUDGET: {row['over_budget']}" for name, row in s.items() if row["over_budget"]]
     lines += ["", "Per job and epoch (samples/s):", ""]
     for name in s:
         for k, job in enumerate(result["systems"][name]["jobs"]):
@@ -234,10 +241,15 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per job (default: cores // K)")
     parser.add_argument("--step-ms", type=float, default=30, help="training stand-in: time per batch (default: 30)")
     parser.add_argument("--cache-bytes", default="0", help="coordl jobs' MinIO cache (default: 0, off)")
-    parser.add_argument("--memory-limit-mb", type=int, default=0, help="memory cgroup limit per system (root)")
+    parser.add_argument("--memory-fraction", type=float, default=0.5,
+                        help="each system's memory budget beside what its jobs hold, as a fraction of the dataset: "
+                             "page cache (and coordl's staging area); 0: not bounded (default: 0.5)")
+    parser.add_argument("--read-mbps", type=float, default=20.0, help="the dataset's disk bandwidth (default: 20)")
+    parser.add_argument("--storage", choices=("auto", "cgroup", "emulated"), default="auto",
+                        help="cgroup: throttled loop device and memory bound (root); emulated: neither (default: auto)")
     parser.add_argument("--quick", action="store_true", help="a small run: 192 small JPEGs, 2 epochs, batch 16")
     parser.add_argument("--out", default="results/coordprep")
-    for hidden in ("--child", "--root", "--group", "--barrier", "--blkio-cgroup", "--memory-cgroup"):
+    for hidden in ("--child", "--root", "--group", "--barrier", "--staging-bytes"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -254,27 +266,28 @@ def main(argv=None) -> int:
     with Cleanup() as cleanup:  # also on Ctrl-C and SIGTERM
         workdir = tempfile.mkdtemp(prefix="coordl-coordprep-", dir="/var/tmp")  # on disk, not tmpfs
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
-        root = os.path.join(workdir, "train")
-        print(f"generating {args.images} JPEGs in {root} ...", flush=True)
-        make_image_folder(root, args.images, mean_side_px=256 if args.quick else 448)
-        dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-        device = block_device(root)
-        cgroup_ok = cgroup_version() == 1 and device is not None
-        mode = "blkio cgroup" if cgroup_ok else "/proc/<pid>/io of each job (no root, no cgroup v1 or no block device)"
-        if not cgroup_ok:
-            args.memory_limit_mb = 0  # nothing to apply it with
-        print(f"{args.jobs} jobs x {args.workers} worker(s); dataset {dataset_bytes / 2**20:.1f} MiB; device "
-              f"bytes from {mode}", flush=True)
+        source = os.path.join(workdir, "train")
+        print(f"generating {args.images} JPEGs in {source} ...", flush=True)
+        make_image_folder(source, args.images, mean_side_px=256 if args.quick else 448)
+        dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(source) for f in fs)
+        storage = prepare_storage(args.storage, source, cleanup, workdir)
+        if storage.mode == "cgroup":
+            mode = f"cgroup: {storage.detail}; throttled to {args.read_mbps:g} MB/s"
+        else:
+            mode = f"emulated: no throttle, no memory bound ({storage.detail}); device bytes from /proc/<pid>/io"
+            args.memory_fraction = 0
+        print(f"{args.jobs} jobs x {args.workers} worker(s); dataset {dataset_bytes / 2**20:.1f} MiB; {mode}",
+              flush=True)
         systems = {}
         for system in SYSTEMS[args.backend]:
             print(f"running {args.jobs} {system} jobs ...", flush=True)
-            systems[system] = _run_system(system, args, root, device if cgroup_ok else None, workdir)
+            systems[system] = _run_system(system, args, storage, cleanup, workdir, dataset_bytes)
         result = {"backend": args.backend, "jobs": args.jobs, "images": args.images, "dataset_bytes": dataset_bytes,
                   "epochs": args.epochs, "batch_size": args.batch_size, "workers_per_job": args.workers,
-                  "step_ms": args.step_ms,
-                  "cache_bytes": args.cache_bytes, "storage_mode": mode, "memory_limit_mb": args.memory_limit_mb,
+                  "step_ms": args.step_ms, "read_mbps": args.read_mbps if storage.mode == "cgroup" else None,
+                  "memory_fraction": args.memory_fraction, "cache_bytes": args.cache_bytes, "storage_mode": mode,
                   **_tags(), "systems": systems,
-                  "summary": {name: _summary(s, args.epochs, args.images) for name, s in systems.items()}}
+                  "summary": {name: _summary(s, args.epochs, args.images, dataset_bytes) for name, s in systems.items()}}
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(result, f, indent=2)
@@ -282,7 +295,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(table)
         print("\n" + table)
-        return 0
+        return 1 if any(row["over_budget"] for row in result["summary"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -8,14 +8,16 @@ import statistics
 from benchmarks.cache_sim import simulate
 
 BASELINES = ("torch", "dali-seq", "dali-shuffle")
+PREP = ("prep-torch", "prep-dali")
 SIM_POLICY = {"torch": ("lru", "random"), "dali-shuffle": ("lru", "random"), "dali-seq": ("lru", "sequential"),
               "coordl": ("minio", "random"), "coordl-dali": ("minio", "random")}
 """How each system's cache behaves in :mod:`benchmarks.cache_sim`: the page cache is an LRU;
 DALI-seq reads in file order."""
-PREP_REFERENCE = {"torch": "coordl", "coordl": "coordl", "dali-seq": "coordl-dali", "dali-shuffle": "coordl-dali",
-                  "coordl-dali": "coordl-dali"}
-"""The system whose fully cached run (cache fraction 1.0: nothing to read) measures a system's prep
-rate: the same decode and augmentation (torch workers, or the DALI pipeline)."""
+PREP_REFERENCE = {"torch": "prep-torch", "coordl": "prep-torch", "prep-torch": "prep-torch",
+                  "dali-seq": "prep-dali", "dali-shuffle": "prep-dali", "coordl-dali": "prep-dali",
+                  "prep-dali": "prep-dali"}
+"""The measurement of a system's prep rate without any loader (``benchmarks.systems.PREP_SYSTEMS``: the
+same decode and augmentation of bytes in memory, on every worker), run at cache fraction 1.0."""
 
 
 def add_hits(run: dict, file_sizes: list[int]) -> None:
@@ -25,6 +27,10 @@ def add_hits(run: dict, file_sizes: list[int]) -> None:
     samples minus (device bytes read / mean file size); ``hits_source`` says which.
     """
     epochs = run["epochs"]
+    if run["system"] in PREP:  # everything in memory: nothing to hit or miss
+        for e in epochs:
+            e.update(hits=e["samples"], hits_source="in memory", hit_rate=1.0, simulated_hit_rate=1.0)
+        return
     mean_size = sum(file_sizes) / len(file_sizes)
     policy, order = SIM_POLICY[run["system"]]
     simulated = simulate(policy, run["cache_fraction"], len(epochs), sizes=file_sizes, order=order)
@@ -48,25 +54,31 @@ def steady(run: dict) -> dict:
 
 
 def measured(runs: list[dict]) -> list[dict]:
-    """The runs that have epochs (not skipped, not failed)."""
-    return [r for r in runs if r["epochs"]]
+    """The runs that have epochs and no error (not skipped, not failed, not over their budget)."""
+    return [r for r in runs if r["epochs"] and "error" not in r]
 
 
-def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: float) -> None:
-    """Give every measured run a ``steady`` entry: steady-epoch means, the physical bound, and for
-    coordl's runs the speedup over each baseline at the same cache fraction.
+def spread(values: list[float]) -> dict:
+    """``median``, ``min``, ``max`` and ``n`` of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: float) -> list[dict]:
+    """Give every measured run a ``steady`` entry (steady-epoch means, the physical bound, and for
+    coordl's runs the speedup over each baseline of the same repetition and cache fraction), and
+    return one comparison per system and cache fraction over its repetitions: the :func:`spread` of
+    its steady time, device bytes and stall, and of each speedup.
 
     The bound of a steady epoch is the largest of: the bytes that must come from storage (dataset
-    minus what the cache holds) at the throttled bandwidth; the training stand-in's compute; and,
-    when coordl ran with the same prep at cache fraction 1.0, its steady epoch with nothing to read
-    (the prep rate, as DS-Analyzer measures it; see :data:`PREP_REFERENCE`).
+    minus what the cache holds) at the throttled bandwidth; the training stand-in's compute; and the
+    prep time of its :data:`PREP_REFERENCE` in the same repetition, where it ran.
     """
-    by_key = {(r["system"], r["cache_fraction"]): r for r in measured(runs)}
-    for run in by_key.values():
+    by_key = {(r["system"], r["cache_fraction"], r.get("rep", 0)): r for r in measured(runs)}
+    for (system, fraction, rep), run in by_key.items():
         s = steady(run)
-        cached = run["cache"]["bytes_cached"] if run.get("cache") else int(run["cache_fraction"] * dataset_bytes)
+        cached = run["cache"]["bytes_cached"] if run.get("cache") else int(fraction * dataset_bytes)
         must_read = max(0, dataset_bytes - cached)
-        full = by_key.get((PREP_REFERENCE[run["system"]], 1.0))
+        full = by_key.get((PREP_REFERENCE[system], 1.0, rep))
         bounds = {"io_bound_s": must_read / bandwidth, "compute_bound_s": s["batches"] * compute_ms / 1000,
                   "prep_bound_s": steady(full)["time_s"] if full else None}
         bound = max(v for v in bounds.values() if v is not None)
@@ -74,8 +86,18 @@ def summarize(runs: list[dict], dataset_bytes: int, bandwidth: int, compute_ms: 
                          "excess_read": s["device_read_bytes"] / must_read - 1 if must_read else None,
                          **bounds, "bound_s": bound, "of_bound": s["time_s"] / bound if bound else None,
                          "speedup": {}}
-        if run["system"] not in BASELINES:
+        if system not in BASELINES + PREP:
             for base in BASELINES:
-                other = by_key.get((base, run["cache_fraction"]))
+                other = by_key.get((base, fraction, rep))
                 if other:
                     run["steady"]["speedup"][base] = steady(other)["time_s"] / s["time_s"]
+    comparisons = []
+    for system, fraction in dict.fromkeys((k[0], k[1]) for k in by_key):
+        reps = [r["steady"] for k, r in by_key.items() if k[:2] == (system, fraction)]
+        bases = dict.fromkeys(b for r in reps for b in r["speedup"])
+        comparisons.append({
+            "system": system, "cache_fraction": fraction,
+            **{key: spread([r[key] for r in reps]) for key in ("time_s", "device_read_bytes", "stall_s")},
+            "min_device_read_bytes": reps[0]["min_device_read_bytes"],
+            "speedup": {b: spread([r["speedup"][b] for r in reps if b in r["speedup"]]) for b in bases}})
+    return comparisons

@@ -19,9 +19,10 @@ import sys
 import tempfile
 
 from benchmarks import cache_sim, metrics, report
-from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, ChildResult, Cleanup, Storage, evict_files,
-                                    prepare_storage, run_child)
-from benchmarks.systems import COORDL_SYSTEMS, SYSTEMS, child_command, skip_reason
+from benchmarks.storage_env import (BUDGET_TOLERANCE, FOLLOW_WINDOW_S, HEADROOM_BYTES, PREFIX, SLACK_BYTES,
+                                    ChildResult, Cleanup, Storage, evict_files, over_budget, prepare_storage,
+                                    run_child, warm_files)
+from benchmarks.systems import COORDL_SYSTEMS, PREP_SYSTEMS, SYSTEMS, child_command, skip_reason
 
 MODES = {
     "quick": dict(images=1200, fractions=[0.5, 1.0], epochs=3, read_mbps=10.0),
@@ -50,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fractions", type=float, nargs="+", help="cache fractions (quick: 0.5 1.0)")
     parser.add_argument("--epochs", type=int, help="epochs per run (quick: 3, full: 4)")
     parser.add_argument("--read-mbps", type=float, help="disk read bandwidth, MB/s (quick: 10, full: 15)")
+    parser.add_argument("--read-iops", type=int,
+                        help="disk read requests per second (cgroup mode; default: no limit)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2, help="loader worker processes / DALI threads")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="training stand-in: compute per batch")
@@ -58,7 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", default="/var/tmp",
                         help="where the generated dataset and the loop device's image go (a real disk)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=3,
+                        help="repetitions of every system and cache fraction, interleaved (default: 3)")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps should be at least 1, but got {args.reps}")
+    if args.read_iops is not None and (args.read_iops < 1 or args.storage == "emulated"):
+        parser.error(f"--read-iops should be a positive number of requests per second, in cgroup mode (the emulated "
+                     f"store models bandwidth only), but got --read-iops {args.read_iops} --storage {args.storage}")
     for key, value in MODES["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -75,15 +85,20 @@ def _remove_caches(tag: str) -> None:
 
 
 def child_timeout(epochs: int, dataset_bytes: int, read_bps: float | None, batches: int,
-                  compute_s: float) -> tuple[float, str]:
+                  compute_s: float, read_seconds_by_iops: float = 0.0) -> tuple[float, str]:
     """Seconds a child may run, and how they were derived: its start-up, then per epoch the whole
-    dataset read through the throttle (``read_bps``; None: not throttled) and prepped, and the
-    compute of every batch; times a margin."""
-    read = dataset_bytes / read_bps if read_bps else 0.0
+    dataset read through the throttle (``read_bps``; None: not throttled; or the read requests at the
+    IOPS limit, ``read_seconds_by_iops``, if that takes longer) and prepped, and the compute of every
+    batch; times a margin."""
+    read = max(dataset_bytes / read_bps if read_bps else 0.0, read_seconds_by_iops)
     prep, compute = dataset_bytes / PREP_BYTES_PER_S, batches * compute_s
     total = TIMEOUT_MARGIN * (STARTUP_S + epochs * (read + prep + compute))
     return total, (f"{total:.0f} s = {TIMEOUT_MARGIN:g} × ({STARTUP_S:.0f} s start-up + {epochs} epochs × "
                    f"({read:.1f} s reading + {prep:.1f} s prep + {compute:.1f} s compute))")
+
+
+READ_REQUEST_BYTES = 128 * 1024
+"""The largest read request a file's read is split into, as the readahead window (for the time limit)."""
 
 
 class RunFailed(Exception):
@@ -102,6 +117,7 @@ class Bench:
         self.args, self.cleanup, self.storage, self.tag = args, cleanup, storage, tag
         self.bandwidth = int(args.read_mbps * 10**6)
         self.dataset_bytes, self.batches = sum(sizes), -(-len(sizes) // args.batch_size)
+        self.read_requests = sum(1 + size // READ_REQUEST_BYTES for size in sizes)
         # The page cache holds whole pages: a page-cache budget is a fraction of this (a few % more).
         self.dataset_page_bytes = sum(-(-size // PAGE_BYTES) * PAGE_BYTES for size in sizes)
         self.store = None
@@ -147,10 +163,15 @@ class Bench:
         print(f"{system}: warm-up, time limit {limit[1]}", flush=True)
         self._run_child(f"{system} warm-up", spec, limit)
 
-    def run(self, system: str, cache_fraction: float) -> dict:
+    def run(self, system: str, cache_fraction: float, rep: int) -> dict:
         """Run ``system`` from a cold page cache with a memory budget of ``cache_fraction`` of the
         dataset: its page cache (torch, DALI; of the dataset in whole pages) or its MinIO cache
-        (coordl). Returns its ``runs`` entry.
+        (coordl). Returns its ``runs`` entry (for repetition ``rep``), with an ``error`` if its page
+        cache broke its budget (:func:`~benchmarks.storage_env.over_budget`).
+
+        At cache fraction 1.0 (cgroup mode) the run compares prep, not storage: the dataset is in
+        the page cache from the start and memory is not bounded, for every system (coordl's epoch 1
+        fills its cache from the page cache).
 
         Raises:
             RunFailed: it failed or timed out.
@@ -158,31 +179,59 @@ class Bench:
         coordl_cache = system in COORDL_SYSTEMS
         budget = int(cache_fraction * self.dataset_bytes)
         page_cache = 0 if coordl_cache else int(cache_fraction * self.dataset_page_bytes)
-        label = f"{system}-{round(cache_fraction * 100)}"
+        label = f"{system}-{round(cache_fraction * 100)}-{rep}"
         spec = dict(system=system, root=self.storage.root, epochs=self.args.epochs, batch_size=self.args.batch_size,
                     workers=self.args.workers, compute_ms=self.args.compute_ms,
                     cache_bytes=budget if coordl_cache else 0, cache_name=f"{self.tag}-{label}",
                     seed=self.args.seed, store_socket=None)
         group = None
         if self.storage.mode == "cgroup":
-            evict_files(self.storage.root)
+            warm = cache_fraction >= 1.0
+            if warm:
+                warm_files(self.storage.root)
+                page_cache = None
+            else:
+                evict_files(self.storage.root)
             group = self.cleanup.cgroup(f"{self.tag}-{label}", self.storage.cgroup_version, self.storage.device,
-                                        self.bandwidth, page_cache, shm_reserve_bytes=spec["cache_bytes"])
+                                        self.bandwidth, page_cache, shm_reserve_bytes=spec["cache_bytes"],
+                                        read_iops=self.args.read_iops)
             spec["counter"] = group.counter()
         else:
             self.store.reset(page_cache)
             spec.update(store_socket=self.store.socket_path,
                         counter={"kind": "emulated", "socket": self.store.socket_path})
         limit = child_timeout(self.args.epochs, self.dataset_bytes, self.bandwidth, self.batches,
-                              self.args.compute_ms / 1000)
+                              self.args.compute_ms / 1000, self.read_requests / self.args.read_iops
+                              if self.args.read_iops else 0.0)
         print(f"  time limit {limit[1]}", flush=True)
         result = self._run_child(f"{system} at cache {cache_fraction:.0%}", spec, limit, group)
         rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-        return {"system": system, "cache_fraction": cache_fraction, "page_cache_budget_bytes": page_cache,
-                "cache_budget_bytes": spec["cache_bytes"], "time_limit_s": limit[0], "memory": result.memory,
-                **next({k: r[k] for k in ("build_s", "build_device_read_bytes")} for r in rows if "build_s" in r),
-                "cache": next((r["cache"] for r in rows if "cache" in r), None),
-                "epochs": [r for r in rows if "epoch" in r]}
+        run = {"system": system, "cache_fraction": cache_fraction, "rep": rep, "page_cache_budget_bytes": page_cache,
+               "cache_budget_bytes": spec["cache_bytes"], "time_limit_s": limit[0], "memory": result.memory,
+               **next({k: r[k] for k in ("build_s", "build_device_read_bytes")} for r in rows if "build_s" in r),
+               "cache": next((r["cache"] for r in rows if "cache" in r), None),
+               "epochs": [r for r in rows if "epoch" in r]}
+        why = over_budget(result.memory, page_cache) if page_cache is not None else None
+        if why:
+            run["error"] = f"{system} at cache {cache_fraction:.0%}: {why}"
+        return run
+
+
+def run_order(reps: int, fractions: list[float], systems: list[str]) -> list[tuple[int, float, str]]:
+    """(repetition, cache fraction, system) in the order they run: each repetition runs every point
+    once, so that drift on the machine spreads over all systems; the systems' order rotates by one
+    place per repetition, so that none always runs first or after the same neighbour. At cache
+    fraction 1.0 the prep rates the systems' bounds need (:data:`~benchmarks.metrics.PREP_REFERENCE`)
+    are measured too."""
+    order = []
+    for rep in range(reps):
+        for fraction in fractions:
+            points = list(systems)
+            if fraction >= 1.0:
+                points += list(dict.fromkeys(metrics.PREP_REFERENCE[s] for s in systems if s not in PREP_SYSTEMS))
+            shift = rep % len(points)
+            order += [(rep, fraction, system) for system in points[shift:] + points[:shift]]
+    return order
 
 
 def _tree_bytes(root: str) -> int:
@@ -194,6 +243,7 @@ def main(argv=None) -> int:
     from coordl.synthetic import make_image_folder
 
     tag = f"{PREFIX}-{os.getpid()}"
+    load_at_start = os.getloadavg()
     with Cleanup() as cleanup:
         cleanup.callback(_remove_caches, tag)
         work = cleanup.workdir(args.workdir)
@@ -202,56 +252,67 @@ def main(argv=None) -> int:
             print(f"generating {args.images} JPEGs in {source} ...", flush=True)
             make_image_folder(source, args.images, mean_side_px=args.mean_side_px, seed=args.seed)
         storage = prepare_storage(args.storage, source, cleanup, work)
+        if args.read_iops and storage.mode != "cgroup":
+            print(f"--read-iops needs cgroup mode, but the storage is {storage.mode} ({storage.detail})", flush=True)
+            return 2
         import torchvision
 
         sizes = [os.path.getsize(path) for path, _ in torchvision.datasets.ImageFolder(storage.root).samples]
         bench = Bench(args, cleanup, storage, sizes, tag)
         print(f"storage: {storage.mode}, dataset on {storage.dataset_on} ({storage.detail}); dataset {len(sizes)} "
-              f"files, {bench.dataset_bytes / 2**20:.1f} MiB; bandwidth {args.read_mbps} MB/s", flush=True)
+              f"files, {bench.dataset_bytes / 2**20:.1f} MiB; bandwidth {args.read_mbps} MB/s"
+              + (f", {args.read_iops} read requests/s" if args.read_iops else ""), flush=True)
 
-        skipped = {s: why for s in args.systems if (why := skip_reason(s, storage.mode))}
+        order = run_order(args.reps, args.fractions, args.systems)
+        everything = list(dict.fromkeys(system for _, _, system in order))
+        skipped = {s: why for s in everything if (why := skip_reason(s, storage.mode))}
         for system, why in skipped.items():
             print(f"{system}: skipped ({why})", flush=True)
         warm_up_root = os.path.join(work, "warm-up")
         make_image_folder(warm_up_root, WARM_UP_BATCHES * args.batch_size, mean_side_px=args.mean_side_px,
                           seed=args.seed + 1)
         broken = {}
-        for system in (s for s in args.systems if s not in skipped):
+        for system in (s for s in everything if s not in skipped):
             try:
                 bench.warm_up(system, warm_up_root, _tree_bytes(warm_up_root))
             except RunFailed as e:
                 broken[system] = e.record
                 print(f"{system}: FAILED: {e}", flush=True)
         runs = []
-        for fraction in args.fractions:
-            for system in args.systems:
-                if system in skipped or system in broken:
-                    why = {"skipped": skipped[system]} if system in skipped else broken[system]
-                    runs.append({"system": system, "cache_fraction": fraction, **why, "epochs": []})
-                    continue
-                print(f"{system} at cache {fraction:.0%} ...", flush=True)
-                try:
-                    run = bench.run(system, fraction)
-                except RunFailed as e:
-                    runs.append({"system": system, "cache_fraction": fraction, **e.record, "epochs": []})
-                    print(f"  FAILED: {e}", flush=True)
-                    continue
-                metrics.add_hits(run, sizes)
-                runs.append(run)
-                print(f"  built in {run['build_s']:.2f} s, {run['build_device_read_bytes'] / 2**20:.1f} MiB from the "
-                      "device", flush=True)
-                for e in run["epochs"]:
-                    print(f"  epoch {e['epoch']}: {e['time_s']:.2f} s, {e['device_read_bytes'] / 2**20:.1f} MiB "
-                          f"from the device, hits {e['hits']}, stall {e['stall_s']:.2f} s", flush=True)
+        for rep, fraction, system in order:
+            where = f"{system} at cache {fraction:.0%}, repetition {rep + 1} of {args.reps}"
+            if system in skipped or system in broken:
+                why = {"skipped": skipped[system]} if system in skipped else broken[system]
+                runs.append({"system": system, "cache_fraction": fraction, "rep": rep, **why, "epochs": []})
+                continue
+            print(f"{where} ...", flush=True)
+            try:
+                run = bench.run(system, fraction, rep)
+            except RunFailed as e:
+                runs.append({"system": system, "cache_fraction": fraction, "rep": rep, **e.record, "epochs": []})
+                print(f"  FAILED: {e}", flush=True)
+                continue
+            metrics.add_hits(run, sizes)
+            runs.append(run)
+            print(f"  built in {run['build_s']:.2f} s, {run['build_device_read_bytes'] / 2**20:.1f} MiB from the "
+                  f"device; page cache p99 {run['memory'].get('p99_page_cache_bytes', 0) / 2**20:.1f} MiB", flush=True)
+            for e in run["epochs"]:
+                print(f"  epoch {e['epoch']}: {e['time_s']:.2f} s, {e['device_read_bytes'] / 2**20:.1f} MiB "
+                      f"from the device, hits {e['hits']}, stall {e['stall_s']:.2f} s", flush=True)
+            if "error" in run:
+                print(f"  FAILED: {run['error']}", flush=True)
 
-        metrics.summarize(runs, bench.dataset_bytes, bench.bandwidth, args.compute_ms)
+        comparisons = metrics.summarize(runs, bench.dataset_bytes, bench.bandwidth, args.compute_ms)
         result = {"storage_mode": storage.mode, "dataset_on": storage.dataset_on, "dataset_device": storage.device,
-                  "dataset_bytes": bench.dataset_bytes, "bandwidth_bytes_per_s": bench.bandwidth, "runs": runs}
-        setup = {"storage_detail": storage.detail, "machine": report.machine(),
-                 "config": {"images": len(sizes), "mode": "quick" if args.quick else "full", "epochs": args.epochs,
-                            "cache_fractions": args.fractions, "systems": args.systems,
-                            "batch_size": args.batch_size, "workers": args.workers, "compute_ms": args.compute_ms,
-                            "seed": args.seed, "memory_headroom_bytes": HEADROOM_BYTES},
+                  "dataset_bytes": bench.dataset_bytes, "bandwidth_bytes_per_s": bench.bandwidth, "runs": runs,
+                  "comparisons": comparisons}
+        setup = {"storage_detail": storage.detail, "machine": report.machine(), "provenance": {
+                     **report.provenance(), "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
+                 "config": {**vars(args), "images": len(sizes), "mode": "quick" if args.quick else "full",
+                            "memory_headroom_bytes": HEADROOM_BYTES, "memory_slack_bytes": SLACK_BYTES,
+                            "memory_follow_window_s": FOLLOW_WINDOW_S, "budget_tolerance": BUDGET_TOLERANCE,
+                            "run_order": "repetitions outermost; in each, cache fractions, then systems rotated "
+                                         "by one place per repetition"},
                  "cache_sim": cache_sim.simulate_all(args.fractions, args.epochs, sizes=sizes, seed=args.seed)}
         written = report.write(result, setup, args.out)
         print("\n" + report.markdown(result, setup))

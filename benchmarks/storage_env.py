@@ -29,10 +29,24 @@ import time
 CGROUP_ROOT = "/sys/fs/cgroup"
 PREFIX = "coordl-bench"
 HEADROOM_BYTES = 48 * 2**20
-"""The least room a group has beyond what it holds, for allocations between two updates of its bound
-(shared memory cannot wait for reclaim; under cgroup v1 a system call that finds the group full fails
-with ENOMEM, and DALI takes a batch's buffers, ~20 MiB at batch 32, faster than the bound follows).
-A page-cache budget counts towards it."""
+"""The room a group has beyond what it holds and its page-cache budget, for allocations between two
+updates of its bound: shared memory cannot wait for reclaim (under cgroup v1 a system call that
+finds the group full fails with ENOMEM: torch's workers allocate each batch's shared memory so,
+and DALI takes a batch's buffers, ~20 MiB at batch 32, faster than the bound follows). The page
+cache is kept out of it (see :meth:`Cgroup.bound`)."""
+SLACK_BYTES = 4 * 2**20
+"""How far above its budget a group's page cache may get before it is squeezed back: the file
+pages of libraries and output a run touches besides the dataset, and what is read between two
+updates."""
+FOLLOW_WINDOW_S = 0.1
+"""The bound follows the most held in this last stretch, so that a batch's memory freed and taken
+again is not handed to the page cache and back (a longer window lets the page cache read into the
+room a freed batch leaves, up to the bandwidth times the window)."""
+BUDGET_TOLERANCE = 0.05
+BUDGET_TOLERANCE_MIN_BYTES = 3 * 2**20
+"""A run's page cache may exceed its budget plus :data:`SLACK_BYTES` by this fraction of the budget, or
+by :data:`BUDGET_TOLERANCE_MIN_BYTES` if that is more, at its 99th percentile (the throttle lets reads
+through in bursts, and a squeeze comes up to 20 ms after them); beyond, the run is over budget."""
 LOOP_TOOLS = ("losetup", "mkfs.ext4", "mount", "umount")
 FS_BLOCK = 4096
 UNMOUNT_TRIES_S = 10
@@ -230,21 +244,33 @@ def evict_files(root: str) -> None:
                 os.close(fd)
 
 
+def warm_files(root: str) -> None:
+    """Read every file under ``root`` into the page cache (reads charged to the calling process's group)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                while f.read(1 << 20):
+                    pass
+
+
 class Cgroup:
     """The memory + I/O cgroup(s) of one system's run.
 
-    Reads from ``device`` (``MAJ:MIN``, the dataset's device) are throttled to ``read_bps``. Memory is
-    bounded to what the processes hold (all but unmapped page cache) plus ``page_cache_bytes`` (at least
-    :data:`HEADROOM_BYTES`), so the page cache gets that much whatever the loader's own footprint;
-    :meth:`bound` moves the limit as holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
+    Reads from ``device`` (``MAJ:MIN``, the dataset's device) are throttled to ``read_bps`` and, if
+    given, ``read_iops`` read requests per second (what makes random reads of small files cost what
+    they cost on a disk with a seek or a flash page per request). Memory is
+    bounded to what the processes hold (all but the page cache) plus ``page_cache_bytes`` and
+    :data:`HEADROOM_BYTES`, and the page cache is held to ``page_cache_bytes`` whatever the loader's own
+    footprint (``page_cache_bytes=None``: memory is not bounded); :meth:`bound` moves the limit as
+    holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
     from the start, so that the cache can be allocated. The kernel does not kill for memory in the
     group (v1: ``oom_control``; v2: ``memory.high`` throttles): a process that outgrows the limit
     waits for the next :meth:`bound`.
     """
 
-    def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int,
-                 shm_reserve_bytes: int = 0):
-        self.version, self.device = version, device
+    def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int | None,
+                 shm_reserve_bytes: int = 0, read_iops: int | None = None):
+        self.version, self.device, self.read_iops = version, device, read_iops
         self.page_cache_bytes, self.shm_reserve_bytes = page_cache_bytes, shm_reserve_bytes
         if version == 1:
             self.dirs = [os.path.join(CGROUP_ROOT, "memory", name), os.path.join(CGROUP_ROOT, "blkio", name)]
@@ -257,10 +283,12 @@ class Cgroup:
         if version == 1:
             _write(os.path.join(memory_dir, "memory.oom_control"), 1)
             _write(os.path.join(io_dir, "blkio.throttle.read_bps_device"), f"{device} {read_bps}")
+            if read_iops:
+                _write(os.path.join(io_dir, "blkio.throttle.read_iops_device"), f"{device} {read_iops}")
         else:
             if os.path.exists(os.path.join(memory_dir, "memory.swap.max")):
                 _write(os.path.join(memory_dir, "memory.swap.max"), 0)
-            _write(os.path.join(io_dir, "io.max"), f"{device} rbps={read_bps}")
+            _write(os.path.join(io_dir, "io.max"), f"{device} rbps={read_bps}" + (f" riops={read_iops}" if read_iops else ""))
         self.bound(0, 0)
 
     def counter(self) -> dict:
@@ -276,27 +304,49 @@ class Cgroup:
             _write(os.path.join(d, "cgroup.procs"), os.getpid())
 
     def memory(self) -> tuple[int, int, int]:
-        """(held, shared, page cache) bytes charged to the group. The page cache is file pages that
-        no process maps; held is everything else: anonymous and shared memory, mapped files (such
-        as the samples in DALI's reader buffer), and the kernel's own (page tables, slab, sockets)."""
+        """(held, shared, page cache) bytes charged to the group. The page cache is the kernel's file
+        LRU lists (``total_inactive_file + total_active_file``, v2 ``file``): the dataset's pages,
+        mapped or not, and never shared memory (tmpfs pages live on the anonymous lists). Held is
+        everything else: anonymous and shared memory, and the kernel's own (page tables, slab, sockets)."""
         memory_dir = self.dirs[0]
         with open(os.path.join(memory_dir, "memory.stat")) as f:
             stat = dict(line.split() for line in f)
         usage_file = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
         with open(os.path.join(memory_dir, usage_file)) as f:
             usage = int(f.read())
-        v1 = self.version == 1
-        shmem = int(stat["total_shmem" if v1 else "shmem"])
-        mapped = int(stat["total_mapped_file" if v1 else "file_mapped"])
-        page_cache = max(0, int(stat["total_cache" if v1 else "file"]) - shmem - mapped)
-        return usage - page_cache, shmem, page_cache
+        if self.version == 1:
+            shmem, page_cache = int(stat["total_shmem"]), int(stat["total_inactive_file"]) + int(stat["total_active_file"])
+        else:
+            shmem, page_cache = int(stat["shmem"]), int(stat["file"]) - int(stat["shmem"])
+        return max(0, usage - page_cache), shmem, page_cache
 
-    def bound(self, held: int, shmem: int) -> None:
-        """Set the memory limit for these holdings (lowering it reclaims page cache)."""
-        limit = held + max(0, self.shm_reserve_bytes - shmem) + max(self.page_cache_bytes, HEADROOM_BYTES)
+    def limit_hits(self) -> int:
+        """How often the group's memory use reached its limit (v1 ``memory.failcnt``; v2 the ``high``
+        events of ``memory.events``)."""
+        memory_dir = self.dirs[0]
+        if self.version == 1:
+            return int(_read(os.path.join(memory_dir, "memory.failcnt")))
+        events = dict(line.split() for line in _read(os.path.join(memory_dir, "memory.events")).splitlines())
+        return int(events.get("high", 0)) + int(events.get("max", 0))
+
+    def bound(self, held: int, shmem: int, page_cache: int = 0, held_now: int | None = None) -> None:
+        """Set the memory limit for ``held`` (the recent peak of what is held): that, the part of the
+        shared-memory reserve not yet taken, the page-cache budget and :data:`HEADROOM_BYTES` for
+        allocations between two updates. A ``page_cache`` above its budget plus :data:`SLACK_BYTES`
+        is first squeezed back to that: the limit is lowered for a moment to what is held now
+        (``held_now``) plus that, and the kernel reclaims the tail of its own LRU lists. So the page
+        cache never keeps the headroom, which it would otherwise fill."""
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
-        with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
-            _write(os.path.join(self.dirs[0], name), limit)
+        budget = self.page_cache_bytes
+        if budget is None:  # not bounded
+            held, budget = 10**15, 0
+        reserve = max(0, self.shm_reserve_bytes - shmem)
+        if self.page_cache_bytes is not None and page_cache > budget + SLACK_BYTES:
+            squeeze = (held if held_now is None else held_now) + reserve + budget + SLACK_BYTES
+            with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
+                _write(os.path.join(self.dirs[0], name), squeeze)
+        with contextlib.suppress(OSError):
+            _write(os.path.join(self.dirs[0], name), held + reserve + budget + HEADROOM_BYTES)
 
     def lift(self) -> None:
         """Lift the memory bound and the throttle, so that tasks waiting on either run on (and can die)."""
@@ -304,7 +354,9 @@ class Cgroup:
         v1 = self.version == 1
         with contextlib.suppress(OSError):  # the group is gone
             _write(os.path.join(self.dirs[-1], "blkio.throttle.read_bps_device" if v1 else "io.max"),
-                   f"{self.device} 0" if v1 else f"{self.device} rbps=max")
+                   f"{self.device} 0" if v1 else f"{self.device} rbps=max riops=max")
+            if v1 and self.read_iops:
+                _write(os.path.join(self.dirs[-1], "blkio.throttle.read_iops_device"), f"{self.device} 0")
 
     def remove(self) -> None:
         """Kill what is left in the group, then remove it."""
@@ -394,56 +446,114 @@ class ChildResult:
     memory: dict
 
 
-def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> ChildResult:
-    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction, for at most
-    ``timeout_s``.
+class MemoryFollower:
+    """While started, every 20 ms: moves ``cgroup``'s memory bound to what its processes hold (the most in
+    the last :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`)."""
 
-    Every 20 ms while it runs, the cgroup's memory bound follows what its processes hold (the most
-    in the last second: a batch's memory, freed and taken again, is not turned into page cache and
-    back). The whole process group is killed when this returns, early or not (timeout, Ctrl-C,
-    error), and the group's bounds lifted so that tasks waiting on them can die.
-    """
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
-    samples, done = [], threading.Event()
+    def __init__(self, cgroup: "Cgroup"):
+        self.cgroup, self.samples, self.limit_hits = cgroup, [], None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._started = time.monotonic()
 
-    def follow() -> None:
-        recent = collections.deque()  # (time, held): the bound follows the most held in the last second,
-        while not done.wait(0.02):    # so that memory a loader frees and re-takes each batch stays its own
+    def _follow(self) -> None:
+        recent = collections.deque()  # (time, held)
+        while not self._done.wait(0.02):
             with contextlib.suppress(OSError):
-                held, shmem, page_cache = cgroup.memory()
+                held, shmem, page_cache = self.cgroup.memory()
                 now = time.monotonic()
                 recent.append((now, held))
-                while recent[0][0] < now - 1:
+                while recent[0][0] < now - FOLLOW_WINDOW_S:
                     recent.popleft()
-                cgroup.bound(max(h for _, h in recent), shmem)
-                samples.append((held, page_cache))
+                self.cgroup.bound(max(h for _, h in recent), shmem, page_cache, held)
+                self.samples.append((now - self._started, held, page_cache, shmem))
 
-    follower = threading.Thread(target=follow, daemon=True) if cgroup else None
-    timed_out = False
+    def start(self) -> "MemoryFollower":
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        """Stop following, lift the group's bounds (so that tasks waiting on them can die) and return
+        the :func:`memory_summary` ({} without samples)."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.limit_hits = _quiet(self.cgroup.limit_hits)
+        self.cgroup.lift()
+        return memory_summary(self.samples, self.limit_hits) if self.samples else {}
+
+
+def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> ChildResult:
+    """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction, for at most
+    ``timeout_s``, its memory followed by a :class:`MemoryFollower`. The whole process group is killed
+    when this returns, early or not (timeout, Ctrl-C, error), and the group's bounds lifted."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
+    follower = MemoryFollower(cgroup).start() if cgroup else None
+    timed_out, memory = False, {}
     try:
-        if follower:
-            follower.start()
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
-        done.set()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the child's workers, if it left any
         if follower:
-            follower.join()
-        if cgroup:
-            cgroup.lift()
+            memory = follower.stop()
     if timed_out:
         out, err = _drain(proc)
     proc.wait()
-    memory = {}
-    if samples:
-        held, cache = zip(*samples)
-        memory = {"peak_held_bytes": max(held), "mean_held_bytes": int(sum(held) / len(held)),
-                  "mean_page_cache_bytes": int(sum(cache) / len(cache)), "peak_page_cache_bytes": max(cache)}
     return ChildResult(proc.returncode, out, err, timed_out, memory)
+
+
+SERIES_STEP_S = 0.5
+
+
+def _percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def memory_summary(samples: list[tuple[float, int, int, int]], limit_hits: int | None) -> dict:
+    """What a group held and its page cache, from ``(seconds, held, page cache, shared memory)`` samples:
+    peak and mean held; the page cache's mean, median, 95th and 99th percentile and maximum; the page
+    cache every :data:`SERIES_STEP_S` (``page_cache_series``: ``[seconds, bytes]``); shared memory's
+    peak; and ``limit_hits``."""
+    _, held, cache, shared = zip(*samples)
+    series, next_t = [], 0.0
+    for t, _, c, _ in samples:
+        if t >= next_t:
+            series.append([round(t, 2), c])
+            next_t = t + SERIES_STEP_S
+    return {"peak_held_bytes": max(held), "mean_held_bytes": int(sum(held) / len(held)),
+            "mean_page_cache_bytes": int(sum(cache) / len(cache)), "p50_page_cache_bytes": _percentile(cache, 0.5),
+            "p95_page_cache_bytes": _percentile(cache, 0.95), "p99_page_cache_bytes": _percentile(cache, 0.99),
+            "peak_page_cache_bytes": max(cache), "peak_shmem_bytes": max(shared), "samples": len(cache),
+            "limit_hits": limit_hits, "page_cache_series": series}
+
+
+def over_budget(memory: dict, page_cache_budget: int) -> str | None:
+    """Why a run's page cache broke its budget (its 99th percentile above the budget plus
+    :data:`SLACK_BYTES` by more than the tolerance, :data:`BUDGET_TOLERANCE`), or None. A group with no
+    page-cache budget is held to :data:`SLACK_BYTES` and the tolerance (coordl drops the pages it reads)."""
+    if not memory:
+        return None
+    tolerance = max(int(BUDGET_TOLERANCE * page_cache_budget), BUDGET_TOLERANCE_MIN_BYTES)
+    allowed = page_cache_budget + SLACK_BYTES + tolerance
+    p99 = memory["p99_page_cache_bytes"]
+    if p99 <= allowed:
+        return None
+    return (f"page cache over budget: 99th percentile {p99 / 2**20:.1f} MiB > {allowed / 2**20:.1f} MiB allowed "
+            f"(budget {page_cache_budget / 2**20:.1f} MiB + {SLACK_BYTES / 2**20:.0f} MiB slack + "
+            f"{tolerance / 2**20:.1f} MiB tolerance); peak {memory['peak_page_cache_bytes'] / 2**20:.1f} MiB")
+
+
+def _quiet(read) -> int | None:
+    try:
+        return read()
+    except (OSError, ValueError):
+        return None
 
 
 def _drain(proc: subprocess.Popen) -> tuple[str, str]:

@@ -16,18 +16,21 @@ import time
 
 SYSTEMS = ("torch", "dali-seq", "dali-shuffle", "coordl", "coordl-dali")
 COORDL_SYSTEMS = ("coordl", "coordl-dali")
+PREP_SYSTEMS = ("prep-torch", "prep-dali")
+"""Not loaders: the prep rate measured without any (every file's bytes in memory, decoded and
+augmented on every worker, the results dropped), the bound of a run with nothing to read."""
 
 
 def skip_reason(system: str, storage_mode: str) -> str | None:
     """Why ``system`` cannot run here, or None if it can. Imports only what it checks."""
-    if system not in SYSTEMS:
+    if system not in SYSTEMS + PREP_SYSTEMS:
         return f"unknown system (known: {', '.join(SYSTEMS)})"
-    if system in ("torch", "coordl"):
+    if system in ("torch", "coordl", "prep-torch"):
         return None
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
         return "nvidia.dali is not installed (pip install 'coordl[dali]')"
-    if system.startswith("dali-"):
-        if storage_mode == "emulated":
+    if system.startswith("dali-") or system == "prep-dali":
+        if storage_mode == "emulated" and system != "prep-dali":
             return "DALI's file reader reads the disk itself; it cannot use the emulated store"
         try:
             from coordl.dali_pipeline import file_reader_loader  # noqa: F401
@@ -60,6 +63,10 @@ def build_loader(spec: dict):
     from coordl.emulated_store import StoreClient, StoreImageLoader
 
     system, root, socket_path = spec["system"], spec["root"], spec.get("store_socket")
+    if system in PREP_SYSTEMS:
+        samples = torchvision.datasets.ImageFolder(root).samples
+        prep = TorchPrep if system == "prep-torch" else DaliPrep
+        return prep([path for path, _ in samples], [label for _, label in samples], spec), [t for _, t in samples]
     common = dict(batch_size=spec["batch_size"], shuffle=True, num_workers=spec["workers"],
                   persistent_workers=spec["workers"] > 0)
     extra = {} if socket_path is None or system != "torch" else {"loader": StoreImageLoader(socket_path)}
@@ -83,6 +90,85 @@ def build_loader(spec: dict):
         storage = loader.dataset.storage
         loader.dataset.storage = StoreClient(socket_path, drop_page_cache=storage.drop_page_cache)
     return loader, dataset.targets
+
+
+def _read_all(paths: list[str]) -> list[bytes]:
+    out = []
+    for path in paths:
+        with open(path, "rb") as f:
+            out.append(f.read())
+    return out
+
+
+_PREP_BYTES: list[bytes] = []
+
+
+def _torch_prep(indices: list[int]) -> int:
+    """Decode and augment these samples as the torch systems' workers do, and drop the results."""
+    from coordl.raw_datasets import decode_image
+
+    transform = _torch_transform()
+    for i in indices:
+        transform(decode_image(_PREP_BYTES[i]))
+    return len(indices)
+
+
+class TorchPrep:
+    """``prep-torch``: the torch systems' decode and augmentation (PIL decode, RandomResizedCrop, flip, to
+    a tensor) of every file's bytes, held in memory, by a pool of ``workers`` processes (forked with the
+    bytes), in a new random order each epoch; nothing is collated or handed back. Iterating yields one
+    batch of labels per batch-size chunk, so that the training stand-in runs as for a loader."""
+
+    def __init__(self, paths: list[str], labels: list[int], spec: dict):
+        import multiprocessing
+
+        _PREP_BYTES[:] = _read_all(paths)
+        self.labels, self.batch_size = labels, spec["batch_size"]
+        self.generator = __import__("random").Random(spec["seed"])
+        self.pool = multiprocessing.get_context("fork").Pool(max(spec["workers"], 1))
+
+    def __iter__(self):
+        import torch
+
+        order = list(range(len(self.labels)))
+        self.generator.shuffle(order)
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        for batch, _ in zip(batches, self.pool.imap(_torch_prep, batches)):
+            yield None, torch.tensor([self.labels[i] for i in batch])
+
+
+class DaliPrep:
+    """``prep-dali``: the DALI systems' pipeline (``image_classification``, training augmentation, on
+    the CPU with ``workers`` threads) over every file's bytes, held in memory and handed to DALI a
+    batch at a time, in a new random order each epoch; the outputs are dropped."""
+
+    def __init__(self, paths: list[str], labels: list[int], spec: dict):
+        import numpy as np
+        from nvidia.dali import Pipeline, fn, types
+
+        from coordl.dali_presets import image_classification
+
+        self.encoded = [np.frombuffer(b, dtype=np.uint8) for b in _read_all(paths)]
+        self.labels, self.batch_size = labels, spec["batch_size"]
+        self.generator = __import__("random").Random(spec["seed"])
+        self.pipe = Pipeline(batch_size=self.batch_size, num_threads=max(spec["workers"], 1), seed=spec["seed"],
+                             device_id=None, prefetch_queue_depth=1)
+        with self.pipe:
+            encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            images, _ = image_classification(encoded, encoded, device="cpu", train=True)
+            self.pipe.set_outputs(images)
+        self.pipe.build()
+
+    def __iter__(self):
+        import torch
+
+        order = list(range(len(self.labels)))
+        self.generator.shuffle(order)
+        for i in range(0, len(order), self.batch_size):
+            batch = order[i:i + self.batch_size]
+            self.pipe.feed_input("encoded", [self.encoded[j] for j in batch])
+            self.pipe.run()
+            yield None, torch.tensor([self.labels[j] for j in batch])
 
 
 def _labels_of(batch) -> list[int]:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from benchmarks import minio
-from benchmarks.storage_env import PREFIX, block_device, cgroup_version
+from benchmarks.storage_env import PREFIX, block_device, cgroup_version, over_budget
 from benchmarks.systems import child_command
 from coordl.minio_cache import list_caches
 from tests import _procs
@@ -58,19 +58,20 @@ def _leftovers(pid: int, *folders: str) -> list[str]:
 @pytest.mark.parametrize("mode", MODES)
 def test_smoke_run(tmp_path, mode):
     systems = ["torch", "coordl"] + (["dali-seq"] if mode == "emulated" else [])  # where DALI skips at once
-    proc, work, out = _start(tmp_path, mode, "--epochs", "2", "--systems", *systems)
-    log = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, log
+    proc, work, out = _start(tmp_path, mode, "--epochs", "2", "--reps", "2", "--systems", *systems)
+    log = proc.communicate(timeout=360)[0]
+    assert proc.returncode == 0, log  # also: no run's page cache went over its budget
     with open(os.path.join(out, "results.json")) as f:
         result = json.load(f)
     assert set(result) == {"storage_mode", "dataset_on", "dataset_device", "dataset_bytes", "bandwidth_bytes_per_s",
-                           "runs"}
+                           "runs", "comparisons"}
     assert result["storage_mode"] == mode
     assert result["dataset_on"] in (("loop device", "whole disk") if mode == "cgroup" else ("emulated store",))
     assert result["bandwidth_bytes_per_s"] == 4_000_000
     dataset = result["dataset_bytes"]
-    runs = {r["system"]: r for r in result["runs"]}
-    assert set(runs) == set(systems) and all(r["cache_fraction"] == 0.5 for r in runs.values())
+    assert sorted((r["system"], r["rep"]) for r in result["runs"]) == sorted((s, rep) for s in systems for rep in (0, 1))
+    runs = {r["system"]: r for r in result["runs"] if r["rep"] == 0}
+    assert all(r["cache_fraction"] == 0.5 for r in runs.values())
     measured = {name: r for name, r in runs.items() if r["epochs"]}
     if mode == "emulated":
         assert "cannot use the emulated store" in runs["dali-seq"]["skipped"] and runs["dali-seq"]["epochs"] == []
@@ -91,15 +92,26 @@ def test_smoke_run(tmp_path, mode):
         assert all(r["epochs"][0]["device_read_bytes"] <= dataset + slack for r in measured.values())
     assert dataset - cache["bytes_cached"] <= coordl["device_read_bytes"] <= dataset - cache["bytes_cached"] + slack
     assert runs["coordl"]["steady"]["speedup"].keys() >= {"torch"}
-    for name in ("results.md", "setup.json"):
-        assert os.path.getsize(os.path.join(out, name)) > 0
+    coordl_comparison = next(c for c in result["comparisons"] if c["system"] == "coordl")
+    assert coordl_comparison["time_s"]["n"] == 2 and coordl_comparison["speedup"]["torch"]["n"] == 2
+    if mode == "cgroup":
+        for system in ("torch", "coordl"):
+            memory, budget = runs[system]["memory"], runs[system]["page_cache_budget_bytes"]
+            assert memory["samples"] > 0 and memory["page_cache_series"]
+            assert memory["peak_page_cache_bytes"] >= memory["p99_page_cache_bytes"] >= memory["p50_page_cache_bytes"]
+            assert over_budget(memory, budget) is None
+        assert runs["torch"]["memory"]["peak_page_cache_bytes"] > 0  # torch's reads stay in its page cache
+    with open(os.path.join(out, "setup.json")) as f:
+        setup = json.load(f)
+    assert len(setup["provenance"]["git_sha"]) == 40 and setup["config"]["reps"] == 2
+    assert os.path.getsize(os.path.join(out, "results.md")) > 0
     assert _leftovers(proc.pid, work, str(tmp_path / "tmp")) == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_removes_everything(tmp_path, mode):
-    proc, work, _ = _start(tmp_path, mode, "--epochs", "100", "--systems", "coordl")
+    proc, work, _ = _start(tmp_path, mode, "--epochs", "100", "--reps", "1", "--systems", "coordl")
     tag = f"{PREFIX}-{proc.pid}"
     deadline = time.monotonic() + 120
     while not any(s.label.startswith(tag) for s in list_caches()):  # coordl's child is running
@@ -140,7 +152,7 @@ def test_a_hung_system_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
     monkeypatch.setattr(minio, "run_child", tiny_limit_for_the_hang)
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
-    status = minio.main([*TINY, "--epochs", "1", "--storage", mode, "--systems", "torch", "coordl",
+    status = minio.main([*TINY, "--epochs", "1", "--reps", "1", "--storage", mode, "--systems", "torch", "coordl",
                          "--workdir", str(work), "--out", str(out)])
     assert status == 1
     with open(out / "results.json") as f:
@@ -148,6 +160,25 @@ def test_a_hung_system_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
     assert runs["torch"]["epochs"] == [] and runs["torch"]["error"].startswith("torch at cache 50% timed out after")
     assert "stuck loading libraries" in runs["torch"]["stderr_tail"]
     assert [e["samples"] for e in runs["coordl"]["epochs"]] == [IMAGES] and "error" not in runs["coordl"]
-    assert "torch at 50%: FAILED: torch at cache 50% timed out" in (out / "results.md").read_text()
+    assert "torch at 50%, repetition 1: FAILED: torch at cache 50% timed out" in (out / "results.md").read_text()
     assert _procs.command_lines(lambda cmd: "hung-system" in cmd) == []
     assert _leftovers(os.getpid(), str(work)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("cgroup" not in MODES, reason="needs root and cgroups")
+def test_at_cache_100_every_system_starts_warm_and_the_prep_bound_is_measured_without_a_loader(tmp_path):
+    proc, work, out = _start(tmp_path, "cgroup", "--epochs", "2", "--reps", "1", "--fractions", "1.0",
+                             "--systems", "torch", "coordl")
+    log = proc.communicate(timeout=360)[0]
+    assert proc.returncode == 0, log
+    with open(os.path.join(out, "results.json")) as f:
+        runs = {r["system"]: r for r in json.load(f)["runs"]}
+    assert set(runs) == {"torch", "coordl", "prep-torch"}
+    for system in ("torch", "coordl"):
+        assert [e["device_read_bytes"] for e in runs[system]["epochs"]] == [0, 0]  # warm from the start
+        assert runs[system]["page_cache_budget_bytes"] is None  # memory not bounded
+    prep = runs["prep-torch"]
+    assert [e["samples"] for e in prep["epochs"]] == [IMAGES, IMAGES]
+    assert runs["torch"]["steady"]["prep_bound_s"] == prep["steady"]["time_s"]
+    assert _leftovers(proc.pid, work, str(tmp_path / "tmp")) == []

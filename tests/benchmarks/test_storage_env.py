@@ -166,3 +166,56 @@ def test_a_hung_child_is_killed_at_its_limit_with_its_workers_and_its_output_kep
     assert result.timed_out and result.returncode == -signal.SIGKILL
     assert "stuck loading libraries" in result.stderr
     assert _procs.command_lines(lambda cmd: "hung-child" in cmd or "time.sleep(600)" in cmd) == []
+
+
+def _tree(root, files: int, size: int) -> list[str]:
+    root.mkdir()
+    paths = [str(root / f"f{i:03d}") for i in range(files)]
+    for path in paths:
+        with open(path, "wb") as f:
+            f.write(os.urandom(size))
+    return paths
+
+
+@needs_loop
+@needs_cgroups
+def test_an_iops_limit_makes_each_read_request_cost_its_share_of_a_second(tmp_path):
+    source, work = tmp_path / "src", tmp_path / "work"
+    _tree(source, 40, 4096)
+    work.mkdir()
+    elapsed = {}
+    with Cleanup() as cleanup:
+        disk = copy_to_loop_disk(cleanup, str(work), str(source))
+        files = " ".join(os.path.join(disk.root, name) for name in sorted(os.listdir(disk.root)))
+        for iops in (None, 20):  # the same reads, side by side: bandwidth is no limit here
+            evict_files(disk.root)
+            group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-iops-{iops}", cgroup_version(), disk.device, 10**9, 2**26,
+                                   read_iops=iops)
+            started = time.monotonic()
+            result = run_child(["sh", "-c", f"cat {files} > /dev/null"], 60, group)
+            elapsed[iops] = time.monotonic() - started
+            group.remove()
+            assert result.returncode == 0, result.stderr
+    assert elapsed[20] >= 0.7 * 40 / 20  # at least one request per file
+    assert elapsed[None] < elapsed[20] / 2
+
+
+@needs_loop
+@needs_cgroups
+def test_a_page_cache_over_its_budget_is_squeezed_back_at_once(tmp_path):
+    """16 MiB read with a page-cache budget of 0 (coordl's groups): the page cache is held to the slack
+    all along, though the group's headroom would hold all of it."""
+    source, work = tmp_path / "src", tmp_path / "work"
+    _tree(source, 8, 2 * 2**20)
+    work.mkdir()
+    with Cleanup() as cleanup:
+        disk = copy_to_loop_disk(cleanup, str(work), str(source))
+        evict_files(disk.root)
+        group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-squeeze", cgroup_version(), disk.device, 8_000_000, 0)
+        files = " ".join(os.path.join(disk.root, name) for name in sorted(os.listdir(disk.root)))
+        result = run_child(["sh", "-c", f"cat {files} > /dev/null"], 60, group)
+        group.remove()
+    assert result.returncode == 0, result.stderr
+    assert 16 * 2**20 < storage_env.HEADROOM_BYTES  # without the squeeze, all of it could stay
+    assert result.memory["p95_page_cache_bytes"] <= storage_env.SLACK_BYTES + 2 * 2**20, result.memory
+    assert storage_env.over_budget(result.memory, 0) is None

@@ -1,0 +1,210 @@
+"""The cache must never cost throughput: coordl against torch's DataLoader when nothing is slow but the loader.
+
+    python -m benchmarks.hotpath [--images 4000] [--workers 0 1 2 8] [--reps 3] [--out results/hotpath]
+
+Everything is warm: torch reads small files from the page cache, coordl from its cache (filled by
+an untimed first epoch). Two workloads: ``image`` (small JPEGs, decoded and center-cropped to 32 px,
+a cheap transform) and ``bytes`` (the files' raw bytes, no decode: the loader alone). For each
+workload and worker count, torch and coordl run side by side in interleaved repeated trials (each
+trial builds both loaders, runs one untimed epoch, then times ``--epochs`` epochs; workers
+persist across epochs). Reports samples/s, coordl / torch as median and min–max over trials, and
+the per-sample cost of coordl's fetch path against reading the file, in µs, measured in-process.
+Writes ``results.json``, ``results.md`` and (with matplotlib) ``hotpath.png`` to ``--out``.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+WORKLOADS = ("image", "bytes")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hotpath", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=4000, help="files in the dataset (default: 4000)")
+    parser.add_argument("--mean-side-px", type=int, default=48, help="generated images' mean longer side (default: 48)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 8], help="default: 0 1 2 8")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per trial (default: 3)")
+    parser.add_argument("--reps", type=int, default=3, help="trials of every point, interleaved (default: 3)")
+    parser.add_argument("--out", default="results/hotpath", help="default: results/hotpath")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if min(args.workers) < 0 or args.reps < 1 or args.epochs < 1 or args.images < 1:
+        parser.error("--workers must be >= 0, and --reps, --epochs and --images >= 1")
+    return args
+
+
+def _crop_to_tensor():
+    from torchvision import transforms as T
+
+    return T.Compose([T.CenterCrop(32), T.PILToTensor()])
+
+
+def _bytes_collate(batch):
+    return batch
+
+
+def dataset(root: str, workload: str):
+    """The dataset both loaders read: an ImageFolder (``image``), or the same files as raw bytes."""
+    import torchvision
+
+    import coordl
+
+    folder = torchvision.datasets.ImageFolder(root, transform=_crop_to_tensor())
+    if workload == "image":
+        return folder
+    return coordl.FileDataset([path for path, _ in folder.samples], decode="bytes")
+
+
+def loader(system: str, root: str, workload: str, workers: int, batch_size: int, seed: int):
+    import torch
+
+    import coordl
+
+    options = dict(batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
+                   generator=torch.Generator().manual_seed(seed),
+                   collate_fn=_bytes_collate if workload == "bytes" else None)
+    if system == "torch":
+        return torch.utils.data.DataLoader(dataset(root, workload), **options)
+    return coordl.DataLoader(dataset(root, workload), cache_bytes="1GiB", **options)
+
+
+def samples_per_s(dl, epochs: int) -> float:
+    """One untimed epoch (coordl fills its cache; workers start), then ``epochs`` timed ones."""
+    for _ in dl:
+        pass
+    started = time.perf_counter()
+    for _ in range(epochs):
+        for _ in dl:
+            pass
+    return epochs * len(dl.dataset) / (time.perf_counter() - started)
+
+
+def fetch_cost_us(root: str, rounds: int = 3) -> dict:
+    """Per sample, in-process, in µs: reading a file's bytes (what torch's dataset does), and coordl's fetch
+    path for the same sample once cached (best of ``rounds`` passes over every sample)."""
+    import coordl
+
+    files = dataset(root, "bytes")
+    with coordl.DataLoader(files, batch_size=None, cache_bytes="1GiB") as dl:
+        cached = dl.dataset
+        for i in range(len(cached)):
+            cached[i]  # fill
+        indices = list(range(len(files)))
+
+        def best(fetch) -> float:
+            times = []
+            for _ in range(rounds):
+                random.shuffle(indices)
+                started = time.perf_counter()
+                for i in indices:
+                    fetch(i)
+                times.append((time.perf_counter() - started) / len(indices) * 1e6)
+            return min(times)
+
+        read, hit = best(files.__getitem__), best(cached.__getitem__)
+    return {"read_file_us": read, "coordl_hit_us": hit, "difference_us": hit - read}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("COORDL_LOG_LEVEL", "WARNING")
+    from benchmarks import report
+    from benchmarks.metrics import spread
+    from coordl._constants import SHM_DIR_ENV
+    from coordl.synthetic import make_image_folder
+
+    work = tempfile.mkdtemp(prefix="coordl-hotpath-")
+    shm = tempfile.mkdtemp(prefix="coordl-hotpath-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
+    os.environ[SHM_DIR_ENV] = shm  # this run's caches, removed at the end
+    try:
+        root = os.path.join(work, "images")
+        print(f"generating {args.images} JPEGs of ~{args.mean_side_px} px in {root} ...", flush=True)
+        make_image_folder(root, args.images, mean_side_px=args.mean_side_px, seed=args.seed)
+        trials = []
+        for rep in range(args.reps):
+            for workload in args.workloads:
+                for workers in args.workers:
+                    systems = ["torch", "coordl"] if (rep + workers) % 2 == 0 else ["coordl", "torch"]
+                    for system in systems:
+                        with_loader = loader(system, root, workload, workers, args.batch_size, args.seed + rep)
+                        rate = samples_per_s(with_loader, args.epochs)
+                        if hasattr(with_loader, "close"):
+                            with_loader.close()
+                        del with_loader
+                        trials.append({"rep": rep, "workload": workload, "workers": workers, "system": system,
+                                       "samples_per_s": rate})
+                        print(f"trial {rep + 1}/{args.reps} {workload:<5} workers={workers} {system:<6} "
+                              f"{rate:9.0f} samples/s", flush=True)
+        points = []
+        for workload in args.workloads:
+            for workers in args.workers:
+                rates = {s: {t["rep"]: t["samples_per_s"] for t in trials
+                             if (t["workload"], t["workers"], t["system"]) == (workload, workers, s)}
+                         for s in ("torch", "coordl")}
+                ratios = [rates["coordl"][rep] / rates["torch"][rep] for rep in range(args.reps)]
+                points.append({"workload": workload, "workers": workers,
+                               "torch_samples_per_s": spread(list(rates["torch"].values())),
+                               "coordl_samples_per_s": spread(list(rates["coordl"].values())),
+                               "coordl_over_torch": spread(ratios)})
+        cost = fetch_cost_us(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    result = {"points": points, "trials": trials, "fetch_cost": cost}
+    setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({**result, "setup": setup}, f, indent=2)
+    text = markdown(result)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(text)
+    plot(points, os.path.join(args.out, "hotpath.png"))
+    print("\n" + text)
+    return 0
+
+
+def markdown(result: dict) -> str:
+    from benchmarks import report
+
+    lines = ["| workload | workers | torch samples/s | coordl samples/s | coordl / torch |", "|---|---|---|---|---|"]
+    for p in result["points"]:
+        lines.append(f"| {p['workload']} | {p['workers']} | {p['torch_samples_per_s']['median']:.0f} | "
+                     f"{p['coordl_samples_per_s']['median']:.0f} | "
+                     f"{report.spread_text(p['coordl_over_torch'])}× |")
+    c = result["fetch_cost"]
+    lines += ["", f"Per sample, in-process: reading the file {c['read_file_us']:.1f} µs, coordl's fetch path on a "
+              f"hit {c['coordl_hit_us']:.1f} µs ({c['difference_us']:+.1f} µs)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: str) -> None:
+    from benchmarks import report
+
+    plt = report.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for workload in dict.fromkeys(p["workload"] for p in points):
+        mine = [p for p in points if p["workload"] == workload]
+        ratios = [p["coordl_over_torch"] for p in mine]
+        ax.errorbar([str(p["workers"]) for p in mine], [r["median"] for r in ratios], marker="o", capsize=3,
+                    yerr=[[r["median"] - r["min"] for r in ratios], [r["max"] - r["median"] for r in ratios]],
+                    label=workload)
+    ax.axhline(1.0, color="k", linestyle=":")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("coordl / torch samples/s")
+    ax.legend()
+    report.save(fig, plt, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""``python -m benchmarks.hotpath`` end to end on a tiny dataset: every point measured side by side,
+the fetch cost measured, and nothing left behind."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_tiny_hot_path_run_measures_both_loaders_at_every_point(tmp_path, shm_namespace):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.hotpath", "--images", "64", "--mean-side-px", "40",
+                           "--workers", "0", "1", "--reps", "2", "--epochs", "1", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    with open(out / "results.json") as f:
+        result = json.load(f)
+    assert [(p["workload"], p["workers"]) for p in result["points"]] == [("image", 0), ("image", 1), ("bytes", 0),
+                                                                         ("bytes", 1)]
+    assert len(result["trials"]) == 2 * 4 * 2 and all(t["samples_per_s"] > 0 for t in result["trials"])
+    for p in result["points"]:
+        ratio = p["coordl_over_torch"]
+        assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert result["fetch_cost"]["coordl_hit_us"] > 0 and result["fetch_cost"]["read_file_us"] > 0
+    assert len(result["setup"]["provenance"]["git_sha"]) == 40
+    assert [name for name in os.listdir(tmp_path) if name.startswith("coordl-hotpath-")] == []
+    assert os.listdir(shm_namespace) == []  # its caches' folder is gone
