@@ -33,8 +33,8 @@ def skip_reason(system: str, storage_mode: str) -> str | None:
         if storage_mode == "emulated" and system != "prep-dali":
             return "DALI's file reader reads the disk itself; it cannot use the emulated store"
         try:
-            from coordl.dali_pipeline import file_reader_loader  # noqa: F401
-        except ImportError as e:
+            importlib.import_module("coordl.dali_pipeline").file_reader_loader
+        except (ImportError, AttributeError) as e:
             return f"coordl.dali_pipeline.file_reader_loader is unavailable ({e})"
         return None
     import coordl
