@@ -17,6 +17,7 @@ the loader's collate function unwraps. A feed protocol: ``begin(batches) -> plan
 
 import logging
 import time
+import weakref
 
 from coordl.cached_dataset import CachedDataset
 from coordl.stats import EpochStats, LoaderStats, add_epoch
@@ -30,11 +31,17 @@ class _Running:
     whether the plan ran out."""
 
     def __init__(self, epoch: EpochStats, owner, counters, start: dict, group):
-        self.epoch, self.owner, self.counters, self.start, self.group = epoch, owner, counters, start, group
+        self.epoch, self.counters, self.start, self.group = epoch, counters, start, group
+        self._owner = weakref.ref(owner)  # the pass refers to this ledger: no cycle, so a dropped loader goes at once
         self.started = time.perf_counter()
         self.yielded, self.handed, self.exhausted = 0, 0, False
         self.timed = False  # coordl's own iterator times the training loop's waits, and counts batches delivered
         self.delivered = 0
+
+    @property
+    def owner(self):
+        """The pass this epoch belongs to, or None once it is gone."""
+        return self._owner()
 
 
 class EpochLedger:

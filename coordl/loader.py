@@ -190,13 +190,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if fed:  # the feed prepares batches with these workers; torch's own loop runs in this process
             num_workers, timeout, worker_init_fn, multiprocessing_context = 0, 0, None, None
             prefetch_factor, persistent_workers = None, False
-        super().__init__(
-            wrapped, batch_size, shuffle, sampler, batch_sampler, num_workers,
-            collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, in_order=in_order)
+        try:
+            super().__init__(
+                wrapped, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                collate_fn, pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device, in_order=in_order)
+        except BaseException:  # torch refused an argument: its error, with the cache given back now, not at gc
+            if getattr(wrapped, "cache", None) is not None:
+                wrapped.cache.close()
+            raise
         feed = self._feed(dali, staging_bytes, prep_options) if fed else None
         group = hp_group if getattr(feed, "group", None) is not None else None
+        self._cache_stats = _cache_fill(wrapped)  # not a bound method: the ledger must not keep this loader alive
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats))
 
     def _feed(self, dali, staging_bytes, prep_options: dict):
@@ -295,13 +301,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     format_bytes(in_flight), shm_dir(), self.num_workers, self.prefetch_factor or 2,
                     format_bytes(_tensor_bytes(batch)))
 
-    def _cache_stats(self):
-        """The cache's fill now, or as it was at close() (reading it must not re-attach)."""
-        cache = getattr(self.dataset, "cache", None)
-        if cache is not None and cache.attached:
-            self.__dict__["_last_cache_stats"] = cache.stats()
-        return self.__dict__.get("_last_cache_stats")
-
     def stats(self) -> LoaderStats:
         """Counters of every finished epoch (and the one in progress), their total, the cache's fill and,
         in an hp_group, the group's state and staging memory. Kept also when a framework iterates a
@@ -343,6 +342,19 @@ def _warn_unused_dali_options(pipeline, device, train) -> None:
                       stacklevel=4)
 
 
+def _cache_fill(dataset):
+    """A function returning the fill of ``dataset``'s cache now, or as it was when last read attached (at
+    close(): reading it must not re-attach), or None without a cache."""
+    last = []
+
+    def read():
+        cache = getattr(dataset, "cache", None)
+        if cache is not None and cache.attached:
+            last[:] = [cache.stats()]
+        return last[0] if last else None
+    return read
+
+
 def _tensor_bytes(batch) -> int:
     """Bytes of the tensors in a collated batch (what torch's workers hand over through shared memory)."""
     if isinstance(batch, torch.Tensor):
@@ -368,10 +380,9 @@ class _EpochIterator:
             len(inner) - (current.skipped if current is not None else 0)
         self._delivered = 0
         self._bar = None
-        if loader.progress:
-            total = len(inner) if hasattr(inner, "__len__") else None
-            self._bar = tqdm(total=total, desc=f"coordl epoch {len(loader.epoch_ledger.epochs) + 1}", unit="batch",
-                             dynamic_ncols=True)
+        if loader.progress:  # no total for an IterableDataset: len(loader) may fail, and alters torch's warnings
+            self._bar = tqdm(total=self._last_batch, desc=f"coordl epoch {len(loader.epoch_ledger.epochs) + 1}",
+                             unit="batch", dynamic_ncols=True)
 
     def __iter__(self):
         return self

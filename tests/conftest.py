@@ -32,8 +32,9 @@ def _processes_with_env(marker: bytes) -> list[int]:
                 if marker not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if any(helper in f.read() for helper in _SESSION_HELPERS):
-                    continue
+                cmdline = f.read()
+            if any(helper in cmdline for helper in _SESSION_HELPERS):
+                continue
         except OSError:
             continue
         found.append(pid)
