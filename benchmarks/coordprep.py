@@ -295,7 +295,9 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(table)
         print("\n" + table)
-        return 1 if any(row["over_budget"] for row in result["summary"].values()) else 0
+        # --quick's dataset (5 MiB) is smaller than the slack the check allows for libraries' file pages:
+        # its budget check is reported, not held against the run
+        return 1 if not args.quick and any(row["over_budget"] for row in result["summary"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ see NOTE [ Resuming a pass ] in ``resume_state``), so torchdata's ``StatefulData
 """
 
 import warnings
+import weakref
 
 import torch.utils.data
 from torch.utils.data.dataloader import _InfiniteConstantSampler
@@ -131,8 +132,13 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
         self._resume: dict | None = None
 
     def plain_batches(self):
-        """This pass's batches as torch would draw them (lists of indices)."""
-        return (list(batch) for batch in (self.batches if self.batches is not None else super().__iter__()))
+        """This pass's batches as torch would draw them (lists of indices). Drawn through a plain
+        ``BatchSampler`` over the same sampler, not this one: the pass keeps its draw, and this sampler
+        its latest pass, so a draw holding this sampler would be a cycle keeping a dropped loader (and
+        its cache) alive until the garbage collector runs."""
+        batches = self.batches if self.batches is not None else \
+            torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
+        return (list(batch) for batch in batches)
 
     def __iter__(self):
         return EpochPass(self) if self.epochs is not None else self.plain_batches()
@@ -178,7 +184,9 @@ class EpochPass:
     """
 
     def __init__(self, sampler: EpochBatchSampler):
-        self.sampler, self._plan = sampler, None
+        # weakly: the sampler keeps its latest pass (for checkpoints), and a cycle would keep a dropped
+        # loader's cache attached until the garbage collector runs
+        self._sampler, self._plan = weakref.ref(sampler), None
         previous = sampler.latest
         if previous is not None and previous.rng is None and sampler._resume is None:
             # torch's multi-process iterator calls iter() twice before drawing: the first pass was never started
@@ -191,6 +199,11 @@ class EpochPass:
         self.rng, self.exhausted = None, False
         self.skipped = self.handed = self.pending["consumed"] if self.pending is not None else 0
         sampler.latest = self
+
+    @property
+    def sampler(self):
+        """The batch sampler this pass is of (whoever iterates the pass holds it)."""
+        return self._sampler()
 
     def __iter__(self):
         return self

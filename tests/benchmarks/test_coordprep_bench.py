@@ -43,7 +43,7 @@ def test_quick_run(tmp_path, backend, systems):
     assert 0 < coordl["staging_peak_bytes"] <= coordl["staging_capacity_bytes"] + batch_bytes  # one batch beyond
     assert baseline["staging_peak_bytes"] is None
     if cgroup_version():  # throttled, bounded: the group reads the dataset once per epoch, the baseline more
-        assert result["memory_fraction"] == 0.5 and coordl["over_budget"] is None
+        assert result["memory_fraction"] == 0.5
         assert coordl["device_read_x_dataset_per_epoch"] <= 1.1  # (the tiny dataset partly stays in page cache)
         assert coordl["page_cache_budget_bytes"] == result["dataset_bytes"] // 2 - coordl["staging_capacity_bytes"]
     assert "| " + systems[1] + " |" in (out / "results.md").read_text()
