@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import machine
+from benchmarks.report import machine, provenance
 
 MODES = ("imagefolder", "coordl-new-cache", "coordl-attach")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,12 +164,6 @@ def summarize(trials: list[dict]) -> dict:
     return summary
 
 
-def _git() -> dict:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True).stdout.strip()
-    return {"git_sha": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain", "--", "coordl"))}
-
-
 def table(result: dict) -> str:
     lines = [f"{result['files']} files in {result['classes']} classes, {result['trials_per_mode']} trials each; "
              f"git {result['git_sha'][:10] if result['git_sha'] else '?'}{' (dirty)' if result['git_dirty'] else ''}; "
@@ -217,7 +211,7 @@ def main() -> None:
                 print(f"trial {number} {mode}: {trials[-1]['seconds']:.2f} s", flush=True)
         result = {"files": args.files, "classes": args.classes, "trials_per_mode": args.trials,
                   "batch_size": args.batch_size, "data": root, "host": platform.node(), "machine": machine(),
-                  **_git(), "load_avg_end": os.getloadavg(), "summary": summarize(trials), "trials": trials,
+                  **provenance(), "load_avg_end": os.getloadavg(), "summary": summarize(trials), "trials": trials,
                   "hit_cost": hit_cost(root, min(args.hit_files, args.files)) if args.hit_files else None}
     finally:
         if args.clean:
