@@ -23,7 +23,10 @@ Without root there is no throttle and no bound, and device bytes come from each 
 Reported per system: per-job samples/s per epoch, samples decoded per epoch over all jobs, bytes read
 from the dataset's device while the jobs train (counted from the moment all K jobs have started up,
 when they begin together), the page cache and held memory of the group, and (coordl) the staging
-area's peak. The dataset's files are evicted from the page cache before each system.
+area's peak. The dataset's files are evicted from the page cache before each system. As root, each
+system's K jobs first warm up outside any cgroup (one epoch over a small dataset on the real disk), so
+that the libraries they load are not charged to the measured group, and the group is bounded only from
+the moment all K jobs have built their loaders.
 """
 
 import argparse
@@ -46,6 +49,9 @@ from benchmarks.storage_env import (PREFIX, Cleanup, MemoryFollower, Storage, de
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
 """Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
 
+WARM_UP_BATCHES = 2
+"""The size of the dataset each system's jobs warm up on, outside the measured cgroup."""
+
 
 def _write(path: str, value) -> None:
     with open(path, "w") as f:
@@ -56,6 +62,11 @@ def _proc_read_bytes() -> int:
     """Bytes this process (and its reaped children) caused to be read from storage."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def staged_batch_bytes(batch_size: int) -> int:
+    """A staged batch's shared memory: ``batch_size`` float32 images of 3 x 224 x 224."""
+    return batch_size * 3 * 224 * 224 * 4
 
 
 def staging_bytes(budget: int | None) -> str | int:
@@ -111,20 +122,25 @@ def run_child(args) -> None:
         loader.close()
 
 
-def _run_system(system: str, args, storage: Storage, cleanup: Cleanup, workdir: str, dataset_bytes: int) -> dict:
+def _run_system(system: str, args, storage: Storage, cleanup: Cleanup, workdir: str, dataset_bytes: int,
+                warm_up_root: str) -> dict:
     """Start the system's K jobs together (in one cgroup, as root) and wait for them; their rows, the
-    system's device reads and its group's memory."""
+    system's device reads and its group's memory. As root, the K jobs first run one epoch over the small
+    dataset at ``warm_up_root`` outside any cgroup, so that the libraries they load (hundreds of MiB for
+    DALI) are in the page cache charged elsewhere, not to the measured group's page-cache budget."""
     budget = int(args.memory_fraction * dataset_bytes) if args.memory_fraction else None
     staging = staging_bytes(budget) if system.startswith("coordl") else 0
     page_cache = None if budget is None else budget - (staging or 0)
-    evict_files(storage.root)
     group = None
-    if storage.mode == "cgroup":  # the staging area counts as held (shared memory) from the start
+    if storage.mode == "cgroup":  # the libraries this system loads are charged to no measured group
+        _run_jobs(system, args, warm_up_root, None, workdir, staging, epochs=1, tag="warm-up")
+    evict_files(storage.root)
+    if storage.mode == "cgroup":  # the staging area, and the one batch it admits beyond, count as held from the start
         group = cleanup.cgroup(f"{PREFIX}-coordprep-{os.getpid()}-{system}", storage.cgroup_version, storage.device,
                                int(args.read_mbps * 10**6), page_cache,
-                               shm_reserve_bytes=staging if isinstance(staging, int) else 0)
+                               shm_reserve_bytes=staging + staged_batch_bytes(args.batch_size) if isinstance(staging, int) and staging else 0)
     try:
-        run = _run_jobs(system, args, storage.root, group, workdir, staging)
+        run = _run_jobs(system, args, storage.root, group, workdir, staging, epochs=args.epochs, tag="run")
     finally:
         if group is not None:
             group.remove()
@@ -133,23 +149,26 @@ def _run_system(system: str, args, storage: Storage, cleanup: Cleanup, workdir: 
     return run
 
 
-def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging) -> dict:
-    group, barrier = f"bench-{secrets.token_hex(4)}", os.path.join(workdir, f"{system}.go")
+def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging, epochs: int, tag: str) -> dict:
+    group, barrier = f"bench-{secrets.token_hex(4)}", os.path.join(workdir, f"{system}-{tag}.go")
     cmd = [sys.executable, "-m", "benchmarks.coordprep", "--child", system, "--root", root, "--group", group,
            "--barrier", barrier,
-           "--jobs", str(args.jobs), "--epochs", str(args.epochs), "--workers", str(args.workers),
+           "--jobs", str(args.jobs), "--epochs", str(epochs), "--workers", str(args.workers),
            "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--cache-bytes", str(args.cache_bytes),
            "--staging-bytes", str(staging)]
-    logs = [tuple(open(os.path.join(workdir, f"{system}-{k}.{kind}"), "w+") for kind in ("out", "err"))
+    logs = [tuple(open(os.path.join(workdir, f"{system}-{tag}-{k}.{kind}"), "w+") for kind in ("out", "err"))
             for k in range(args.jobs)]
-    procs = [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True,
-                              preexec_fn=cgroup.join if cgroup else None) for out, err in logs]
-    follower, memory = MemoryFollower(cgroup).start() if cgroup else None, {}
+    # The group is bounded, and its device reads counted, from the moment every job has imported its
+    # libraries and built its loader.
+    follower, memory, procs = MemoryFollower(cgroup, measure_now=False).start() if cgroup else None, {}, []
     try:
-        # Count device reads from the moment every job has imported its libraries and built its loader.
+        procs += [subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True,
+                                   preexec_fn=cgroup.join if cgroup else None) for out, err in logs]
         while not all(os.path.exists(f"{barrier}.{p.pid}") or p.poll() is not None for p in procs):
             time.sleep(0.05)
         read_before = device_read_bytes(cgroup.counter()) if cgroup is not None else 0
+        if follower:
+            follower.measure()
         _write(barrier, "go")
         for proc, (_, err) in zip(procs, logs):
             if proc.wait(timeout=3600) != 0:
@@ -269,6 +288,8 @@ def main(argv=None) -> int:
         source = os.path.join(workdir, "train")
         print(f"generating {args.images} JPEGs in {source} ...", flush=True)
         make_image_folder(source, args.images, mean_side_px=256 if args.quick else 448)
+        warm_up_root = os.path.join(workdir, "warm-up")  # on the real disk
+        make_image_folder(warm_up_root, WARM_UP_BATCHES * args.batch_size, mean_side_px=256 if args.quick else 448)
         dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(source) for f in fs)
         storage = prepare_storage(args.storage, source, cleanup, workdir)
         if storage.mode == "cgroup":
@@ -281,7 +302,7 @@ def main(argv=None) -> int:
         systems = {}
         for system in SYSTEMS[args.backend]:
             print(f"running {args.jobs} {system} jobs ...", flush=True)
-            systems[system] = _run_system(system, args, storage, cleanup, workdir, dataset_bytes)
+            systems[system] = _run_system(system, args, storage, cleanup, workdir, dataset_bytes, warm_up_root)
         result = {"backend": args.backend, "jobs": args.jobs, "images": args.images, "dataset_bytes": dataset_bytes,
                   "epochs": args.epochs, "batch_size": args.batch_size, "workers_per_job": args.workers,
                   "step_ms": args.step_ms, "read_mbps": args.read_mbps if storage.mode == "cgroup" else None,

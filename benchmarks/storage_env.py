@@ -341,12 +341,19 @@ class Cgroup:
         if budget is None:  # not bounded
             held, budget = 10**15, 0
         reserve = max(0, self.shm_reserve_bytes - shmem)
-        if self.page_cache_bytes is not None and page_cache > budget + SLACK_BYTES:
-            squeeze = (held if held_now is None else held_now) + reserve + budget + SLACK_BYTES
-            with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
-                _write(os.path.join(self.dirs[0], name), squeeze)
-        with contextlib.suppress(OSError):
-            _write(os.path.join(self.dirs[0], name), held + reserve + budget + HEADROOM_BYTES)
+        try:
+            fd = os.open(os.path.join(self.dirs[0], name), os.O_WRONLY)
+        except FileNotFoundError:  # the group is gone
+            return
+        try:  # the squeeze and the bound back to back: the group is squeezed for as short a time as can be
+            if self.page_cache_bytes is not None and page_cache > budget + SLACK_BYTES:
+                squeeze = (held if held_now is None else held_now) + reserve + budget + SLACK_BYTES
+                with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
+                    os.write(fd, f"{squeeze}\n".encode())
+            with contextlib.suppress(OSError):
+                os.write(fd, f"{held + reserve + budget + HEADROOM_BYTES}\n".encode())
+        finally:
+            os.close(fd)
 
     def lift(self) -> None:
         """Lift the memory bound and the throttle, so that tasks waiting on either run on (and can die)."""
@@ -448,19 +455,30 @@ class ChildResult:
 
 class MemoryFollower:
     """While started, every 20 ms: moves ``cgroup``'s memory bound to what its processes hold (the most in
-    the last :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`)."""
+    the last :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`).
 
-    def __init__(self, cgroup: "Cgroup"):
+    With ``measure_now=False`` the group is not bounded, and not sampled, until :meth:`measure`: its
+    processes start up (import their libraries, build their loaders) at full speed, and the bound and
+    its limit hits cover only what is measured."""
+
+    def __init__(self, cgroup: "Cgroup", measure_now: bool = True):
         self.cgroup, self.samples, self.limit_hits = cgroup, [], None
-        self._done = threading.Event()
+        self._done, self._measuring = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
-        self._started = time.monotonic()
+        self._started, self._hits_before = time.monotonic(), 0
+        if measure_now:
+            self._measuring.set()
 
     def _follow(self) -> None:
+        with contextlib.suppress(OSError):  # not preempted between a squeeze and the bound after it
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))  # (this thread only)
         recent = collections.deque()  # (time, held)
         while not self._done.wait(0.02):
             with contextlib.suppress(OSError):
                 held, shmem, page_cache = self.cgroup.memory()
+                if not self._measuring.is_set():
+                    self.cgroup.bound(10**15, shmem)
+                    continue
                 now = time.monotonic()
                 recent.append((now, held))
                 while recent[0][0] < now - FOLLOW_WINDOW_S:
@@ -473,13 +491,20 @@ class MemoryFollower:
         self._thread.start()
         return self
 
+    def measure(self) -> None:
+        """Bound and sample the group from now on (see the class)."""
+        self._hits_before = _quiet(self.cgroup.limit_hits) or 0
+        self._started = time.monotonic()
+        self._measuring.set()
+
     def stop(self) -> dict:
         """Stop following, lift the group's bounds (so that tasks waiting on them can die) and return
         the :func:`memory_summary` ({} without samples)."""
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
-        self.limit_hits = _quiet(self.cgroup.limit_hits)
+        hits = _quiet(self.cgroup.limit_hits)
+        self.limit_hits = None if hits is None else hits - self._hits_before
         self.cgroup.lift()
         return memory_summary(self.samples, self.limit_hits) if self.samples else {}
 

@@ -7,14 +7,15 @@ import glob
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
 from benchmarks import storage_env
-from benchmarks.storage_env import (LOOP_TOOLS, PREFIX, Cleanup, block_device, cgroup_version, copy_to_loop_disk,
-                                    device_read_bytes, evict_files, prepare_storage, run_child)
+from benchmarks.storage_env import (LOOP_TOOLS, PREFIX, Cleanup, MemoryFollower, block_device, cgroup_version,
+                                    copy_to_loop_disk, device_read_bytes, evict_files, prepare_storage, run_child)
 from tests import _procs
 
 FILE_BYTES = 256 * 1024
@@ -219,3 +220,49 @@ def test_a_page_cache_over_its_budget_is_squeezed_back_at_once(tmp_path):
     assert 16 * 2**20 < storage_env.HEADROOM_BYTES  # without the squeeze, all of it could stay
     assert result.memory["p95_page_cache_bytes"] <= storage_env.SLACK_BYTES + 2 * 2**20, result.memory
     assert storage_env.over_budget(result.memory, 0) is None
+
+
+def _memory_limit(group) -> int:
+    name = "memory.limit_in_bytes" if group.version == 1 else "memory.high"
+    value = open(os.path.join(group.dirs[0], name)).read().strip()
+    return 2**63 if value == "max" else int(value)
+
+
+STARTS_UP = """import os, sys, time
+held = b"x" * (256 << 20)  # more than the headroom, at once
+open(sys.argv[1], "w").close()
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+"""
+
+
+@needs_loop
+@needs_cgroups
+def test_a_group_is_bounded_and_sampled_only_from_the_moment_it_is_measured(tmp_path, source):
+    """What a group's processes take while they start up (256 MiB at once, beyond the headroom) is not
+    held to the bound; from measure() on the group is bounded to what it holds, and sampled."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    with Cleanup() as cleanup:
+        (tmp_path / "work").mkdir()
+        disk = copy_to_loop_disk(cleanup, str(tmp_path / "work"), source)
+        group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-measure", cgroup_version(), disk.device, 10**9, 2**20)
+        follower = MemoryFollower(group, measure_now=False).start()
+        child = subprocess.Popen([sys.executable, "-c", STARTS_UP, str(ready), str(go)], preexec_fn=group.join)
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert ready.exists(), "the child did not start up"
+            assert _memory_limit(group) >= 10**15 // 2  # not bounded yet
+            assert follower.samples == []
+            follower.measure()
+            time.sleep(0.3)
+            bound = _memory_limit(group)
+            go.touch()
+            assert child.wait(timeout=30) == 0
+        finally:
+            child.kill()
+            memory = follower.stop()
+    assert 256 * 2**20 < bound < 256 * 2**20 + 2**20 + storage_env.HEADROOM_BYTES + 64 * 2**20
+    assert follower.samples[0][1] >= 256 * 2**20  # the first sample comes after the start-up
+    assert memory["limit_hits"] == 0
