@@ -71,11 +71,13 @@ def target_reader(dataset) -> tuple[Callable[[int], tuple] | None, str]:
 
 
 def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> tuple[list, list, np.ndarray]:
-    """In a fetch thread: (encoded arrays, target columns, counter deltas) of one batch."""
+    """In a fetch thread: (encoded arrays, target columns, counter deltas) of one batch. A column of
+    scalars is one array; else a list of contiguous arrays (DALI takes either without a copy)."""
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
     encoded = [np.frombuffer(cached.fetch(i, row), dtype=np.uint8) for i in indices]
     row[COUNTER_FIELDS.index("samples")] += len(indices)
-    columns = [list(column) for column in zip(*(read_target(i) for i in indices))]
+    columns = [np.stack(column) if all(np.ndim(v) == 0 for v in column) else
+               [np.ascontiguousarray(v) for v in column] for column in zip(*(read_target(i) for i in indices))]
     return encoded, columns, row
 
 
@@ -88,7 +90,8 @@ class _Feeder:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="coordl-fetch")
         self._pending: collections.deque = collections.deque()
         self._next = 0
-        self.in_flight: collections.deque = collections.deque()  # fed to DALI, not yet out of it
+        # fed to DALI, not yet out of it: (indices, the arrays DALI reads without copying them)
+        self.in_flight: collections.deque = collections.deque()
         for _ in range(max(depth, 1)):
             self._submit()
 
@@ -106,8 +109,9 @@ class _Feeder:
         encoded, columns, row = future.result()
         self._submit()
         self._counters += row
-        self.in_flight.append(indices)
-        return (encoded, *columns)
+        fed = (encoded, *columns)
+        self.in_flight.append((indices, fed))
+        return fed
 
     def close(self) -> None:
         for _, future in self._pending:
@@ -171,8 +175,9 @@ class DaliBackend:
                         device_id=torch.cuda.current_device() if self.device == "gpu" else None,
                         seed=seed % 2**31, prefetch_queue_depth=PREFETCH_DEPTH)
         with pipe:
+            # no_copy: DALI reads the fed arrays in place; the feeder keeps them until their batch is out
             encoded, *target = fn.external_source(source=self._feed, num_outputs=1 + n_targets, batch=True,
-                                                  dtype=[types.UINT8] + [None] * n_targets)
+                                                  dtype=[types.UINT8] + [None] * n_targets, no_copy=True)
             outputs = self.pipeline_fn(encoded, target[0] if n_targets == 1 else tuple(target),
                                        device=self.device, train=self.train)
             pipe.set_outputs(*(outputs if isinstance(outputs, (tuple, list)) else (outputs,)))
@@ -201,9 +206,10 @@ class DaliBackend:
             self._feeder = None
 
     def discard(self) -> None:
-        """Drop the pipeline (after an abandoned or failed epoch); the next epoch builds a new one."""
-        self._end_feeder()
+        """Drop the pipeline (after an abandoned or failed epoch); the next epoch builds a new one. The
+        pipeline goes first: it may still be reading the arrays its feeder holds."""
         self._pipe = None
+        self._end_feeder()
         self.finished = True
 
     def close(self) -> None:
@@ -215,7 +221,7 @@ class DaliBackend:
         itself (other files, audio for one, cannot be checked here)."""
         from PIL import Image
         from torchvision.datasets.folder import IMG_EXTENSIONS
-        in_flight = [i for batch in (self._feeder.in_flight if self._feeder else ()) for i in batch]
+        in_flight = [i for batch, _ in (self._feeder.in_flight if self._feeder else ()) for i in batch]
         scratch = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
         for index in in_flight:
             try:
@@ -329,7 +335,8 @@ class DaliEpoch:
             raise explained from e
         if backend._feeder is not None and backend._feeder.in_flight:
             backend._feeder.in_flight.popleft()
-        batch = tuple(_to_torch(out, backend.pin_memory) for out in outputs)  # before DALI reuses its buffers
+        shared = backend._pipe.exec_dynamic  # DALI hands its output buffers over (else it reuses them)
+        batch = tuple(_to_torch(out, backend.pin_memory, shared) for out in outputs)
         self._yielded += 1
         if self._yielded == self._n:  # take DALI's end-of-epoch signal now, so the next epoch can reset
             try:
@@ -341,9 +348,11 @@ class DaliEpoch:
         return batch
 
 
-def _to_torch(tensor_list, pin_memory: bool) -> Any:
-    """One DALI output batch → a torch tensor (copied out of DALI's buffers), or a list of tensors
-    when its samples differ in shape."""
+def _to_torch(tensor_list, pin_memory: bool, shared: bool = False) -> Any:
+    """One DALI output batch → a torch tensor, or a list of tensors when its samples differ in shape. A
+    CPU batch is copied out of DALI's buffers unless they are ``shared``: handed over by DALI's dynamic
+    executor, which never reuses a buffer a tensor still holds (then the tensor wraps it, via DLPack, as
+    DALI's own PyTorch iterator does)."""
     from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
     from nvidia.dali.tensors import TensorListGPU
     if isinstance(tensor_list, TensorListGPU):
@@ -352,10 +361,11 @@ def _to_torch(tensor_list, pin_memory: bool) -> Any:
         dense = tensor_list.as_tensor()
         out = torch.empty(dense.shape(), dtype=to_torch_type[dense.dtype], device="cuda")
         return feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream())
+    take = torch.from_dlpack if shared else (lambda tensor: torch.from_numpy(np.array(tensor)))
     if tensor_list.is_dense_tensor():
-        out = torch.from_numpy(np.array(tensor_list.as_tensor()))
+        out = take(tensor_list.as_tensor())
         return out.pin_memory() if pin_memory else out
-    return [torch.from_numpy(np.array(tensor_list[i])) for i in range(len(tensor_list))]
+    return [take(tensor_list[i]) for i in range(len(tensor_list))]
 
 
 def file_reader_loader(root: str, *, order: str, batch_size: int, num_threads: int, device: str = "cpu",

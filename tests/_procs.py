@@ -1,5 +1,6 @@
 """Module-level process targets for multi-process tests (picklable under spawn) and a runner."""
 
+import contextlib
 import faulthandler
 import glob
 import multiprocessing as mp
@@ -90,12 +91,35 @@ def iterate_slowly_forever(root: str, cache_bytes: int, num_workers: int, progre
             time.sleep(0.05)
 
 
-def hammer_puts(name: str, n_items: int, item_bytes: int, capacity: int, seed: int, started, go):
+def hammer_puts(name: str, n_items: int, item_bytes: int, capacity: int, seed: int, started, go,
+                pause_after: int | None = None, paused=None):
     """Once ``go`` is set, insert every item (content derived from its index) in a random order,
-    forever, until killed."""
+    forever, until killed. With ``pause_after``: the insert after that many stops once its slot is
+    reserved, before its bytes are copied, sets ``paused`` and waits to be killed there."""
     from coordl.minio_cache import MinIOCache
     cache = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32), label="test")
     cache.stats()
+    if pause_after is not None:  # wrap the two steps put takes under the cache's lock
+        cache._ensure()
+        reserve, locked, reserved, inserts = cache._reserve, cache._segment.locked, [], [0]
+
+        def reserve_noted(views, index, size):
+            offset = reserve(views, index, size)
+            reserved.append(offset is not None)
+            return offset
+
+        @contextlib.contextmanager
+        def locked_then_pause(**kwargs):
+            reserved.clear()
+            with locked(**kwargs):
+                yield
+            if reserved == [True]:  # the lock released, the slot reserved and marked as this writer's
+                if inserts[0] >= pause_after:
+                    paused.set()
+                    time.sleep(3600)
+                inserts[0] += 1
+
+        cache._reserve, cache._segment.locked = reserve_noted, locked_then_pause
     started.set()
     go.wait(JOIN_TIMEOUT)
     rng = random.Random(seed)

@@ -1,11 +1,14 @@
 """Shared fixtures: small real JPEG datasets, and guards that give every test its own shared-memory
 namespace and fail any test that leaks shared memory or processes."""
 
+import faulthandler
 import glob
 import os
 import secrets
 import shutil
 import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -14,6 +17,12 @@ from coordl._constants import SHM_DIR_ENV
 from coordl.synthetic import make_image_folder
 
 LEAK_GRACE_S = 10
+DUMP_BEFORE_TIMEOUT_S = 20
+"""This long before a test's timeout, every process it started that catches SIGUSR2 (forked ones: the
+handler below is inherited) is sent it and writes its threads' stacks to its stderr: a hang names the
+process it is in, workers included."""
+
+faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 
 _SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
@@ -41,6 +50,40 @@ def _processes_with_env(marker: bytes) -> list[int]:
     return found
 
 
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def _descendants() -> list[int]:
+    """This process's descendants (forked ones carry no trace of the test's environment in /proc)."""
+    parents = {int(p.split("/")[2]): _status(int(p.split("/")[2])).get("PPid") for p in glob.glob("/proc/[0-9]*")}
+    found, frontier = [], {str(os.getpid())}
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += children
+        frontier = {str(pid) for pid in children}
+    return found
+
+
+def _dump_stacks(marker: bytes) -> None:
+    for pid in {os.getpid(), *_descendants(), *_processes_with_env(marker)}:
+        if int(_status(pid).get("SigCgt", "0"), 16) >> (signal.SIGUSR2 - 1) & 1:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                continue
+            time.sleep(0.2)  # one dump after the other
+
+
+def _timeout_s(request) -> float:
+    marker = request.node.get_closest_marker("timeout")
+    return float(marker.args[0] if marker and marker.args else request.config.getini("timeout") or 0)
+
+
 def _wait_until(done, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not done():
@@ -51,15 +94,23 @@ def _wait_until(done, timeout: float) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def shm_namespace(monkeypatch):
+def shm_namespace(monkeypatch, request):
     """Each test runs in its own shm directory (``$COORDL_SHM_DIR``, a fresh folder in /dev/shm that every
     process it starts inherits), so it only ever sees, counts or removes what it created. Afterwards the
     folder must be empty and no process started with it may still run (workers get a moment to go)."""
     path = f"/dev/shm/cdltest-{secrets.token_hex(6)}"
     os.mkdir(path, 0o700)
     monkeypatch.setenv(SHM_DIR_ENV, path)
-    yield path
     marker = f"{SHM_DIR_ENV}={path}".encode()
+    timeout = _timeout_s(request)
+    dump = threading.Timer(timeout - DUMP_BEFORE_TIMEOUT_S, _dump_stacks, (marker,)) if timeout > 2 * DUMP_BEFORE_TIMEOUT_S \
+        else None
+    if dump:
+        dump.daemon = True
+        dump.start()
+    yield path
+    if dump:
+        dump.cancel()
     gone = _wait_until(lambda: not _processes_with_env(marker), LEAK_GRACE_S)
     left = _processes_with_env(marker)
     for pid in left:

@@ -1,7 +1,6 @@
 """SIGKILL at any moment never deadlocks or corrupts other users, and nothing is left in /dev/shm."""
 
 import os
-import random
 import secrets
 import signal
 import time
@@ -86,32 +85,30 @@ def test_main_process_killed_its_workers_remove_the_cache(fresh_image_root, tmp_
 
 @pytest.mark.slow
 def test_writers_killed_mid_insert_leave_every_cached_item_intact(tmp_path):
+    """Two writers fill a cache together; each stops mid-insert (its slot reserved and marked, its bytes
+    not yet copied, the lock released) after a different number of inserts, and both are SIGKILLed there."""
     n_items, item_bytes = 1000, 512 << 10
     capacity = (n_items + 4) * item_bytes  # a kill between reserving and marking leaks one item
-    rng, interrupted = random.Random(0), 0
-    for round_ in range(4):  # a fresh cache each round, so the writers are always mid-fill when killed
+    for round_, pause_after in enumerate([(0, 3), (40, 7), (150, 300)]):  # a fresh cache each round
         name = cache_segment_name(secrets.token_hex(6))
         survivor = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32),
                               label="test")
         try:
             survivor.stats()
-            events, go = [FileEvent(tmp_path) for _ in range(2)], FileEvent(tmp_path)
-            writers = [_procs.spawn(_procs.hammer_puts, name, n_items, item_bytes, capacity,
-                                    10 * round_ + k, ev, go) for k, ev in enumerate(events)]
-            assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in events)
+            started, paused = ([FileEvent(tmp_path) for _ in range(2)] for _ in range(2))
+            go = FileEvent(tmp_path)
+            writers = [_procs.spawn(_procs.hammer_puts, name, n_items, item_bytes, capacity, 10 * round_ + k,
+                                    started[k], go, pause_after[k], paused[k]) for k in range(2)]
+            assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in started)
             go.set()  # both writers start together, so both are mid-fill when killed
-            status = survivor._views.status
-            deadline = time.monotonic() + _procs.JOIN_TIMEOUT
-            while not (status == 1).any():  # the fill has begun (the cache grows as it fills)
-                assert time.monotonic() < deadline, "the writers never filled an item"
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0.005, 0.03))
+            assert all(ev.wait(_procs.JOIN_TIMEOUT) for ev in paused), "a writer never reached its pause"
             for w in writers:
                 os.kill(w.pid, signal.SIGKILL)
             for w in writers:
                 w.join(10)
-            interrupted += int((status < 0).sum())  # slots a dead writer left mid-insert
-            assert 0 < int((status == 1).sum()) < n_items
+            status = survivor._views.status
+            assert int((status < 0).sum()) == 2  # each left one slot mid-insert
+            assert int((status == 1).sum()) == sum(pause_after)  # every insert before the pauses completed
             for i in range(n_items):
                 got = survivor.get(i)
                 assert got is None or got == _procs.item_payload(i, item_bytes), f"item {i} corrupt"
@@ -121,7 +118,6 @@ def test_writers_killed_mid_insert_leave_every_cached_item_intact(tmp_path):
             assert survivor.stats().items_cached == n_items
         finally:
             survivor.close()
-    assert interrupted > 0, "no writer was killed mid-insert: the test did not exercise recovery"
 
 
 def test_a_process_killed_holding_the_lock_blocks_nobody(tmp_path):
