@@ -43,8 +43,8 @@ import tempfile
 import time
 
 from benchmarks.report import machine, provenance
-from benchmarks.storage_env import (PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes, evict_files,
-                                    over_budget, prepare_storage)
+from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
+                                    evict_files, over_budget, prepare_storage)
 
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
 """Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
@@ -67,6 +67,12 @@ def _proc_read_bytes() -> int:
 def staged_batch_bytes(batch_size: int) -> int:
     """A staged batch's shared memory: ``batch_size`` float32 images of 3 x 224 x 224."""
     return batch_size * 3 * 224 * 224 * 4
+
+
+def headroom_bytes(jobs: int, batch_size: int) -> int:
+    """The group's room for allocations between two updates of its bound: each job's worker and main
+    process can each take a batch at once (torch's worker batches, a staged batch, its copy)."""
+    return HEADROOM_BYTES + 2 * jobs * staged_batch_bytes(batch_size)
 
 
 def staging_bytes(budget: int | None) -> str | int:
@@ -138,13 +144,15 @@ def _run_system(system: str, args, storage: Storage, cleanup: Cleanup, workdir: 
     if storage.mode == "cgroup":  # the staging area, and the one batch it admits beyond, count as held from the start
         group = cleanup.cgroup(f"{PREFIX}-coordprep-{os.getpid()}-{system}", storage.cgroup_version, storage.device,
                                int(args.read_mbps * 10**6), page_cache,
-                               shm_reserve_bytes=staging + staged_batch_bytes(args.batch_size) if isinstance(staging, int) and staging else 0)
+                               shm_reserve_bytes=staging + staged_batch_bytes(args.batch_size) if isinstance(staging, int) and staging else 0,
+                               headroom_bytes=headroom_bytes(args.jobs, args.batch_size))
     try:
         run = _run_jobs(system, args, storage.root, group, workdir, staging, epochs=args.epochs, tag="run")
     finally:
         if group is not None:
             group.remove()
-    run.update(memory_budget_bytes=budget, page_cache_budget_bytes=page_cache, staging_bytes=staging)
+    run.update(memory_budget_bytes=budget, page_cache_budget_bytes=page_cache, staging_bytes=staging,
+               headroom_bytes=headroom_bytes(args.jobs, args.batch_size) if group is not None else None)
     run["over_budget"] = over_budget(run["memory"], page_cache) if page_cache is not None else None
     return run
 

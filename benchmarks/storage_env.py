@@ -259,8 +259,9 @@ class Cgroup:
     Reads from ``device`` (``MAJ:MIN``, the dataset's device) are throttled to ``read_bps`` and, if
     given, ``read_iops`` read requests per second (what makes random reads of small files cost what
     they cost on a disk with a seek or a flash page per request). Memory is
-    bounded to what the processes hold (all but the page cache) plus ``page_cache_bytes`` and
-    :data:`HEADROOM_BYTES`, and the page cache is held to ``page_cache_bytes`` whatever the loader's own
+    bounded to what the processes hold (all but the page cache) plus ``page_cache_bytes`` and a
+    headroom (``headroom_bytes``: :data:`HEADROOM_BYTES`, or more where a run allocates in bigger
+    bursts), and the page cache is held to ``page_cache_bytes`` whatever the loader's own
     footprint (``page_cache_bytes=None``: memory is not bounded); :meth:`bound` moves the limit as
     holdings change. ``shm_reserve_bytes`` (coordl's cache) is counted as shared memory
     from the start, so that the cache can be allocated. The kernel does not kill for memory in the
@@ -269,9 +270,10 @@ class Cgroup:
     """
 
     def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int | None,
-                 shm_reserve_bytes: int = 0, read_iops: int | None = None):
+                 shm_reserve_bytes: int = 0, read_iops: int | None = None, headroom_bytes: int = HEADROOM_BYTES):
         self.version, self.device, self.read_iops = version, device, read_iops
         self.page_cache_bytes, self.shm_reserve_bytes = page_cache_bytes, shm_reserve_bytes
+        self.headroom_bytes = headroom_bytes
         if version == 1:
             self.dirs = [os.path.join(CGROUP_ROOT, "memory", name), os.path.join(CGROUP_ROOT, "blkio", name)]
         else:
@@ -331,11 +333,12 @@ class Cgroup:
 
     def bound(self, held: int, shmem: int, page_cache: int = 0, held_now: int | None = None) -> None:
         """Set the memory limit for ``held`` (the recent peak of what is held): that, the part of the
-        shared-memory reserve not yet taken, the page-cache budget and :data:`HEADROOM_BYTES` for
-        allocations between two updates. A ``page_cache`` above its budget plus :data:`SLACK_BYTES`
-        is first squeezed back to that: the limit is lowered for a moment to what is held now
-        (``held_now``) plus that, and the kernel reclaims the tail of its own LRU lists. So the page
-        cache never keeps the headroom, which it would otherwise fill."""
+        shared-memory reserve not yet taken, the page-cache budget and the headroom (``headroom_bytes``,
+        default :data:`HEADROOM_BYTES`) for allocations between two updates. A ``page_cache`` above its
+        budget plus :data:`SLACK_BYTES` is first squeezed back to that: the limit is lowered for a
+        moment to what is held now (``held_now``) plus that, and the kernel reclaims the tail of its
+        own LRU lists. So the page cache never keeps the headroom, or the part of the reserve not yet
+        taken, which it would otherwise fill."""
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
         budget = self.page_cache_bytes
         if budget is None:  # not bounded
@@ -347,11 +350,11 @@ class Cgroup:
             return
         try:  # the squeeze and the bound back to back: the group is squeezed for as short a time as can be
             if self.page_cache_bytes is not None and page_cache > budget + SLACK_BYTES:
-                squeeze = (held if held_now is None else held_now) + reserve + budget + SLACK_BYTES
+                squeeze = (held if held_now is None else held_now) + budget + SLACK_BYTES  # the reserve too
                 with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
                     os.write(fd, f"{squeeze}\n".encode())
             with contextlib.suppress(OSError):
-                os.write(fd, f"{held + reserve + budget + HEADROOM_BYTES}\n".encode())
+                os.write(fd, f"{held + reserve + budget + self.headroom_bytes}\n".encode())
         finally:
             os.close(fd)
 

@@ -203,16 +203,19 @@ def test_an_iops_limit_makes_each_read_request_cost_its_share_of_a_second(tmp_pa
 
 @needs_loop
 @needs_cgroups
-def test_a_page_cache_over_its_budget_is_squeezed_back_at_once(tmp_path):
+@pytest.mark.parametrize("reserve", [0, 32 * 2**20])
+def test_a_page_cache_over_its_budget_is_squeezed_back_at_once(tmp_path, reserve):
     """16 MiB read with a page-cache budget of 0 (coordl's groups): the page cache is held to the slack
-    all along, though the group's headroom would hold all of it."""
+    all along, though the group's headroom would hold all of it, and so would a shared-memory reserve
+    not yet taken."""
     source, work = tmp_path / "src", tmp_path / "work"
     _tree(source, 8, 2 * 2**20)
     work.mkdir()
     with Cleanup() as cleanup:
         disk = copy_to_loop_disk(cleanup, str(work), str(source))
         evict_files(disk.root)
-        group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-squeeze", cgroup_version(), disk.device, 8_000_000, 0)
+        group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-squeeze", cgroup_version(), disk.device, 8_000_000, 0,
+                               shm_reserve_bytes=reserve)
         files = " ".join(os.path.join(disk.root, name) for name in sorted(os.listdir(disk.root)))
         result = run_child(["sh", "-c", f"cat {files} > /dev/null"], 60, group)
         group.remove()
