@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import machine, provenance
+from benchmarks.report import machine, provenance, write_json_and_markdown
 from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
                                     evict_files, over_budget, prepare_storage)
 
@@ -317,12 +317,8 @@ def main(argv=None) -> int:
                   "memory_fraction": args.memory_fraction, "cache_bytes": args.cache_bytes, "storage_mode": mode,
                   **_tags(), "systems": systems,
                   "summary": {name: _summary(s, args.epochs, args.images, dataset_bytes) for name, s in systems.items()}}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(result, f, indent=2)
         table = _markdown(result)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(table)
+        write_json_and_markdown(args.out, result, table)
         print("\n" + table)
         # --quick's dataset (5 MiB) is smaller than the slack the check allows for libraries' file pages:
         # its budget check is reported, not held against the run

@@ -13,7 +13,6 @@ Writes ``results.json``, ``results.md`` and (with matplotlib) ``hotpath.png`` to
 """
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -161,12 +160,8 @@ def main(argv=None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
     result = {"points": points, "trials": trials, "fetch_cost": cost}
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({**result, "setup": setup}, f, indent=2)
     text = markdown(result)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(text)
+    report.write_json_and_markdown(args.out, {**result, "setup": setup}, text)
     plot(points, os.path.join(args.out, "hotpath.png"))
     print("\n" + text)
     return 0
@@ -189,10 +184,10 @@ def markdown(result: dict) -> str:
 def plot(points: list[dict], path: str) -> None:
     from benchmarks import report
 
-    plt = report.pyplot()
-    if plt is None:
+    drawn = report.axes()
+    if drawn is None:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = drawn
     for workload in dict.fromkeys(p["workload"] for p in points):
         mine = [p for p in points if p["workload"] == workload]
         ratios = [p["coordl_over_torch"] for p in mine]

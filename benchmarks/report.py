@@ -199,6 +199,24 @@ def plot_cache_sim(rows: list[dict], path: str) -> bool:
     return True
 
 
+def axes(figsize=(6, 4)):
+    """``(plt, fig, ax)`` for one plot, or None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=figsize)
+    return plt, fig, ax
+
+
+def write_json_and_markdown(out_dir: str, result: dict, text: str) -> None:
+    """``results.json`` (``result``) and ``results.md`` (``text``) in ``out_dir``, made if missing."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text)
+
+
 def save(fig, plt, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -30,7 +30,6 @@ SHA, machine), ``results.md`` and (with matplotlib) ``scale.png`` to ``--out``.
 
 import argparse
 import io
-import json
 import os
 import shutil
 import statistics
@@ -193,12 +192,8 @@ def main(argv=None) -> int:
     result = {"points": points, "trials": trials, "construction": construction, "projection": projection,
               "setup": {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args),
                         "load_average_at_end": os.getloadavg()}}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
     text = markdown(result)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(text)
+    report.write_json_and_markdown(args.out, result, text)
     plot(points, os.path.join(args.out, "scale.png"))
     print("\n" + text)
     return 0
@@ -226,10 +221,10 @@ def markdown(result: dict) -> str:
 def plot(points: list[dict], path: str) -> None:
     from benchmarks import report
 
-    plt = report.pyplot()
-    if plt is None:
+    drawn = report.axes()
+    if drawn is None:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = drawn
     sizes = [p["size"] for p in points]
     for system in ("torch", "coordl"):
         ax.plot(sizes, [p[f"{system}_epoch_s"]["median"] / p["size"] * 1e6 for p in points], marker="o", label=system)

@@ -63,10 +63,10 @@ def markdown(points: list[dict], fraction: float) -> str:
 
 def plot(points: list[dict], path: str) -> bool:
     """Each coordl system's speedup over each baseline against bandwidth (median, min–max bars)."""
-    plt = report.pyplot()
-    if plt is None:
+    drawn = report.axes()
+    if drawn is None:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, fig, ax = drawn
     pairs = list(dict.fromkeys((s, b) for p in points for s, r in p["systems"].items() for b in r["speedup"]))
     for system, base in pairs:
         xs = [p["read_mbps"] for p in points if base in p["systems"].get(system, {}).get("speedup", {})]
@@ -107,11 +107,8 @@ def main(argv=None) -> int:
             points.append(sweep_point(out, mbps))
     result = {"cache_fraction": args.fraction, "points": points}
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args), "minio_args": rest}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({**result, "setup": setup}, f, indent=2)
     text = markdown(points, args.fraction)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(text)
+    report.write_json_and_markdown(args.out, {**result, "setup": setup}, text)
     plotted = plot(points, os.path.join(args.out, "speedup_vs_bandwidth.png"))
     print("\n" + text + ("" if plotted else f"\n({report.NO_PLOTS})"))
     return status

@@ -147,6 +147,8 @@ class DaliBackend:
             raise TypeError(f"backend='dali' cannot read {type(cached.dataset).__name__}: "
                             f"{why or 'it is not a dataset of files'}")
         self.cached, self.pipeline_fn, self.device, self.train = cached, resolve_pipeline(pipeline), device, train
+        # a preset's outputs are known (see wraps_output): DALI may read what it is fed in place
+        self._feed_in_place = not callable(pipeline)
         self.batch_size, self.fetch_threads, self.dali_threads = batch_size, fetch_threads, dali_threads
         self.prefetch_batches, self.pin_memory = prefetch_batches, pin_memory and torch.cuda.is_available()
         self._pipe = None
@@ -177,7 +179,8 @@ class DaliBackend:
         with pipe:
             # no_copy: DALI reads the fed arrays in place; the feeder keeps them until their batch is out
             encoded, *target = fn.external_source(source=self._feed, num_outputs=1 + n_targets, batch=True,
-                                                  dtype=[types.UINT8] + [None] * n_targets, no_copy=True)
+                                                  dtype=[types.UINT8] + [None] * n_targets,
+                                                  no_copy=self._feed_in_place)
             outputs = self.pipeline_fn(encoded, target[0] if n_targets == 1 else tuple(target),
                                        device=self.device, train=self.train)
             pipe.set_outputs(*(outputs if isinstance(outputs, (tuple, list)) else (outputs,)))
@@ -186,6 +189,13 @@ class DaliBackend:
 
     def _feed(self):
         return self._feeder()
+
+    def wraps_output(self, k: int) -> bool:
+        """Whether output ``k`` becomes a torch tensor over DALI's own buffer rather than a copy: where
+        DALI's dynamic executor hands its buffers over (it never reuses one a tensor holds), and the
+        buffer is DALI's. A preset's first output is decoded; its others (labels, boxes) may be the
+        fed arrays, which the feeder lets go of after the batch."""
+        return self._pipe.exec_dynamic and (k == 0 or not self._feed_in_place)
 
     def epoch(self, batches: list[list[int]], seed: int) -> "DaliEpoch":
         """Start an epoch over ``batches`` (lists of dataset indices, in plan order)."""
@@ -333,10 +343,9 @@ class DaliEpoch:
             if explained is e:
                 raise
             raise explained from e
+        batch = tuple(_to_torch(out, backend.pin_memory, backend.wraps_output(k)) for k, out in enumerate(outputs))
         if backend._feeder is not None and backend._feeder.in_flight:
-            backend._feeder.in_flight.popleft()
-        shared = backend._pipe.exec_dynamic  # DALI hands its output buffers over (else it reuses them)
-        batch = tuple(_to_torch(out, backend.pin_memory, shared) for out in outputs)
+            backend._feeder.in_flight.popleft()  # only now: an output may be the fed arrays themselves
         self._yielded += 1
         if self._yielded == self._n:  # take DALI's end-of-epoch signal now, so the next epoch can reset
             try:

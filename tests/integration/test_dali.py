@@ -79,6 +79,28 @@ def test_every_sample_once_per_epoch_in_torchs_order(image_root):
     assert len({tuple(o) for o in orders}) == 3
 
 
+@pytest.mark.parametrize("pipeline", ["image_classification", "user"])
+def test_batches_kept_by_the_training_loop_stay_as_they_were_yielded(image_root, pipeline):
+    """Outputs wrap DALI's buffers and DALI may read the fed bytes in place: neither may change under
+    batches the loop still holds while later batches and epochs run."""
+    from coordl.dali_presets import image_classification
+
+    def user(encoded, target, *, device, train):  # a user's pipeline that hands its target straight out
+        return image_classification(encoded, target, device=device, train=train)
+
+    with coordl.DataLoader(_indexed(image_root), batch_size=8, shuffle=True, backend="dali", cache_bytes="auto",
+                           dali_pipeline=user if pipeline == "user" else pipeline) as loader:
+        kept, seen = [], []
+        for _ in range(3):
+            for images, labels in loader:
+                kept.append((images, labels))
+                seen.append((images.clone(), labels.clone()))
+    assert len(kept) == 3 * math.ceil(N_IMAGES / 8)
+    for (images, labels), (images_then, labels_then) in zip(kept, seen):
+        assert torch.equal(labels, labels_then) and torch.equal(images, images_then)
+    assert sorted(torch.cat([labels for _, labels in kept[:len(kept) // 3]]).tolist()) == list(range(N_IMAGES))
+
+
 def test_drop_last_and_sharding_by_rank(image_root):
     dataset, seen = _indexed(image_root), []
     for rank in range(2):
