@@ -137,22 +137,24 @@ def _run_system(system: str, args, storage: Storage, cleanup: Cleanup, workdir: 
     budget = int(args.memory_fraction * dataset_bytes) if args.memory_fraction else None
     staging = staging_bytes(budget) if system.startswith("coordl") else 0
     page_cache = None if budget is None else budget - (staging or 0)
+    # the staging area, and the one batch it admits beyond, count as held from the start
+    reserve = staging + staged_batch_bytes(args.batch_size) if isinstance(staging, int) and staging else 0
+    headroom = headroom_bytes(args.jobs, args.batch_size)
     group = None
     if storage.mode == "cgroup":  # the libraries this system loads are charged to no measured group
         _run_jobs(system, args, warm_up_root, None, workdir, staging, epochs=1, tag="warm-up")
     evict_files(storage.root)
-    if storage.mode == "cgroup":  # the staging area, and the one batch it admits beyond, count as held from the start
+    if storage.mode == "cgroup":
         group = cleanup.cgroup(f"{PREFIX}-coordprep-{os.getpid()}-{system}", storage.cgroup_version, storage.device,
-                               int(args.read_mbps * 10**6), page_cache,
-                               shm_reserve_bytes=staging + staged_batch_bytes(args.batch_size) if isinstance(staging, int) and staging else 0,
-                               headroom_bytes=headroom_bytes(args.jobs, args.batch_size))
+                               int(args.read_mbps * 10**6), page_cache, shm_reserve_bytes=reserve,
+                               headroom_bytes=headroom)
     try:
         run = _run_jobs(system, args, storage.root, group, workdir, staging, epochs=args.epochs, tag="run")
     finally:
         if group is not None:
             group.remove()
     run.update(memory_budget_bytes=budget, page_cache_budget_bytes=page_cache, staging_bytes=staging,
-               headroom_bytes=headroom_bytes(args.jobs, args.batch_size) if group is not None else None)
+               headroom_bytes=headroom if group is not None else None)
     run["over_budget"] = over_budget(run["memory"], page_cache) if page_cache is not None else None
     return run
 
