@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import machine, provenance, write_json_and_markdown
+from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, write_json_and_markdown
 from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
                                     evict_files, over_budget, prepare_storage)
 
@@ -259,6 +259,31 @@ def _markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: str) -> bool:
+    """Per system: each job's samples/s in every epoch (bars), and the device reads per epoch as a
+    multiple of the dataset (labelled). False without matplotlib."""
+    drawn = axes()
+    if drawn is None:
+        return False
+    plt, fig, ax = drawn
+    systems = list(result["summary"])
+    epochs, width = range(1, result["epochs"] + 1), 0.8 / len(systems)
+    for k, name in enumerate(systems):
+        jobs = result["systems"][name]["jobs"]
+        rates = [sum(r["samples_per_s"] for job in jobs for r in job if r["epoch"] == e) / len(jobs) for e in epochs]
+        reads = result["summary"][name]["device_read_x_dataset_per_epoch"]
+        ax.bar([e + (k - (len(systems) - 1) / 2) * width for e in epochs], rates, width,
+               label=f"{name} (reads {reads}× the dataset per epoch)")
+    ax.set_xticks(list(epochs))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("samples/s per job (mean of the K jobs)")
+    disk = f"{result['read_mbps']:g} MB/s" if result["read_mbps"] else "storage not throttled"
+    ax.set_title(f"K = {result['jobs']} jobs, {disk}")
+    ax.legend(fontsize=8)
+    save(fig, plt, path)
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=4, help="concurrent jobs K (default: 4)")
@@ -321,6 +346,8 @@ def main(argv=None) -> int:
                   "summary": {name: _summary(s, args.epochs, args.images, dataset_bytes) for name, s in systems.items()}}
         table = _markdown(result)
         write_json_and_markdown(args.out, result, table)
+        if not plot(result, os.path.join(args.out, "coordprep.png")):
+            table += f"\n({NO_PLOTS})\n"
         print("\n" + table)
         # --quick's dataset (5 MiB) is smaller than the slack the check allows for libraries' file pages:
         # its budget check is reported, not held against the run

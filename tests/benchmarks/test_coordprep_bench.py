@@ -2,6 +2,7 @@
 coordinated prep promises, and nothing left behind."""
 
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -47,6 +48,7 @@ def test_quick_run(tmp_path, backend, systems):
         assert coordl["device_read_x_dataset_per_epoch"] <= 1.1  # (the tiny dataset partly stays in page cache)
         assert coordl["page_cache_budget_bytes"] == result["dataset_bytes"] // 2 - coordl["staging_capacity_bytes"]
     assert "| " + systems[1] + " |" in (out / "results.md").read_text()
+    assert (out / "coordprep.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert _leftovers() == before
     assert {g.name for g in list_groups()} == groups_before
 
