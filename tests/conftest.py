@@ -123,6 +123,7 @@ def shm_namespace(monkeypatch, request):
     shutil.rmtree(path, ignore_errors=True)
     assert gone, f"test left processes running: {left}"
     assert not leaked, f"test leaked shared memory: {leaked}"
+    assert not os.path.exists(path), f"could not remove {path} (is os patched still?)"
 
 
 @pytest.fixture(scope="session")

@@ -161,8 +161,8 @@ def test_a_stalled_creator_never_loses_its_segment_to_another_opener(monkeypatch
     inside, release = threading.Event(), threading.Event()
     real_open = os.open
 
-    def stall_after_creating(path, flags, *args):
-        fd = real_open(path, flags, *args)
+    def stall_after_creating(path, flags, *args, **kwargs):  # (os.open for everyone until the test ends)
+        fd = real_open(path, flags, *args, **kwargs)
         if flags & os.O_EXCL and threading.current_thread() is creator:  # the file exists, nothing else yet
             inside.set()
             release.wait(10)  # far longer than any grace an opener could give
