@@ -190,6 +190,9 @@ def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging, epoch
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if system.startswith("coordl"):  # jobs killed early leave their group behind; none is alive now
+            from coordl.coord_prep import group_segment_name, remove_group
+            remove_group(group_segment_name(group))
         if follower:
             memory = follower.stop()
     jobs = []
