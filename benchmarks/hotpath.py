@@ -47,7 +47,8 @@ def _crop_to_tensor():
     return T.Compose([T.CenterCrop(32), T.PILToTensor()])
 
 
-def _bytes_collate(batch):
+def bytes_collate(batch):
+    """A batch of raw bytes as the list it is."""
     return batch
 
 
@@ -70,7 +71,7 @@ def loader(system: str, root: str, workload: str, workers: int, batch_size: int,
 
     options = dict(batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
                    generator=torch.Generator().manual_seed(seed),
-                   collate_fn=_bytes_collate if workload == "bytes" else None)
+                   collate_fn=bytes_collate if workload == "bytes" else None)
     if system == "torch":
         return torch.utils.data.DataLoader(dataset(root, workload), **options)
     return coordl.DataLoader(dataset(root, workload), cache_bytes="1GiB", **options)

@@ -32,7 +32,6 @@ import argparse
 import io
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -62,34 +61,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _bytes_collate(batch):
-    return batch
-
-
 def loader(system: str, root: str, workers: int, batch_size: int):
-    """``system``'s loader over the raw bytes of the files under ``root``."""
+    """``system``'s loader over the raw bytes of the files under ``root`` (``benchmarks.hotpath``'s bytes
+    workload, coordl's cache sized "auto")."""
     import torch
-    import torchvision
 
     import coordl
+    from benchmarks.hotpath import bytes_collate, dataset
 
-    files = coordl.FileDataset([path for path, _ in torchvision.datasets.ImageFolder(root).samples], decode="bytes")
     options = dict(batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
-                   collate_fn=_bytes_collate)
+                   collate_fn=bytes_collate)
     if system == "torch":
-        return torch.utils.data.DataLoader(files, **options)
-    return coordl.DataLoader(files, cache_bytes="auto", **options)
+        return torch.utils.data.DataLoader(dataset(root, "bytes"), **options)
+    return coordl.DataLoader(dataset(root, "bytes"), cache_bytes="auto", **options)
 
 
 def steady_epoch_s(dl, epochs: int) -> float:
     """One untimed epoch (coordl fills its cache; workers start), then the mean of ``epochs`` timed ones."""
-    for _ in dl:
-        pass
-    started = time.perf_counter()
-    for _ in range(epochs):
-        for _ in dl:
-            pass
-    return (time.perf_counter() - started) / epochs
+    from benchmarks.hotpath import samples_per_s
+
+    return len(dl.dataset) / samples_per_s(dl, epochs)
 
 
 def prep_cost_s(workdir: str) -> dict:
@@ -129,15 +120,12 @@ def project(n: int, t_prep_s: float, t_loader_s: float, file_bytes: float, worke
             "bound": "prep" if prep_s >= storage_s else "storage", "loader_share": t_loader_s / (t_prep_s + t_loader_s)}
 
 
-def _median_spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("COORDL_LOG_LEVEL", "WARNING")
     from benchmarks import report
     from benchmarks.construction import generate, trial
+    from benchmarks.metrics import spread
     from coordl._constants import SHM_DIR_ENV
 
     shm = tempfile.mkdtemp(prefix="coordl-scale-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
@@ -171,15 +159,15 @@ def main(argv=None) -> int:
     for size in args.sizes:
         point = {"size": size}
         for system in ("torch", "coordl"):
-            point[f"{system}_epoch_s"] = _median_spread([t["epoch_s"] for t in trials
+            point[f"{system}_epoch_s"] = spread([t["epoch_s"] for t in trials
                                                          if (t["size"], t["system"]) == (size, system)])
         for mode in ("imagefolder", "coordl-new-cache"):
-            point[f"{mode}_s"] = _median_spread([c["seconds"] for c in construction
+            point[f"{mode}_s"] = spread([c["seconds"] for c in construction
                                                  if (c["size"], c["mode"]) == (size, mode)])
         ratios = [a["epoch_s"] / b["epoch_s"] for a in trials for b in trials
                   if (a["size"], a["system"], b["size"], b["system"]) == (size, "coordl", size, "torch")
                   and a["rep"] == b["rep"]]
-        point["coordl_over_torch_time"] = _median_spread(ratios)
+        point["coordl_over_torch_time"] = spread(ratios)
         points.append(point)
     largest = points[-1]
     busy_cores = min(max(args.workers, 1), os.cpu_count() or 1)
