@@ -19,6 +19,8 @@ from coordl._sizes import format_bytes
 from coordl._sysinfo import available_memory_bytes
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.minio_cache import MinIOCache, cache_segment_name, index_bytes
+from coordl.partitioned import PeerTier
+from coordl.partitioned import resolve as resolve_partitioned
 from coordl.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
 from coordl.storage import FileStorage
 
@@ -56,7 +58,7 @@ def _warn_once(key, message: str) -> None:
 
 
 def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache_verify: str,
-                 drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None):
+                 drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None, partitioned=False):
     """The dataset torch will see: the user's dataset behind coordl's fetch path, or the user's dataset
     itself when coordl cannot cache it (it then loads as with torch, and coordl says so once).
 
@@ -64,10 +66,11 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
         capacity: the cache's size in bytes, None for ``"auto"``, 0 for no cache.
         decode: whether samples are decoded by the dataset's own code (False: the DALI backend decodes).
         storage: where misses are read from (a ``coordl.storage.Storage``). Defaults to local files.
+        partitioned: ``partitioned=`` of the loader (see ``partitioned.resolve``).
     """
-    identity = None
+    identity = peers = None
     if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
-        identity, dataset = dataset.identity, dataset.dataset
+        identity, peers, dataset = dataset.identity, dataset.peers, dataset.dataset
     source, why = raw_source(dataset, decode=decode)
     if source is None:
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
@@ -80,8 +83,16 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
             identity = dataset_identity(source, local=storage is None, content=cache_verify == "content")
         cache = open_cache(dataset, source, identity, capacity, cache_name=cache_name)
     drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
-    return CachedDataset(dataset, source, cache, storage if storage is not None else FileStorage(drop_page_cache=drop),
-                         SampleCounters(num_workers + 1), identity)
+    storage = storage if storage is not None else FileStorage(drop_page_cache=drop)
+    topology = resolve_partitioned(partitioned, cache is not None)
+    if topology is not None and peers is None:
+        try:
+            peers = PeerTier(topology, cache, source, storage, num_workers + 1)
+        except BaseException:
+            cache.close()
+            raise
+    return CachedDataset(dataset, source, cache, storage, SampleCounters(num_workers + 1), identity,
+                         peers if topology is not None else None)
 
 
 def _cache_label(dataset, source, cache_name: str | None) -> str:

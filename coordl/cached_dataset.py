@@ -17,12 +17,12 @@ from coordl.minio_cache import MinIOCache
 from coordl.raw_datasets import RawBytesDataset
 from coordl.storage import Storage
 
-COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes")
+COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes")
 """Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
-out of date, bytes from cache, bytes from storage."""
-_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES = range(len(COUNTER_FIELDS))
+out of date, bytes from cache, bytes from storage, items and bytes fetched from peers' caches (partitioned)."""
+_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES = range(len(COUNTER_FIELDS))
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
-_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed"))
+_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
@@ -86,6 +86,7 @@ class CachedDataset(torch.utils.data.Dataset):
         counters: shared counters to record hits, misses and bytes in.
         identity: ``raw_datasets.dataset_identity`` of the dataset's files (names its cache), kept so
             that a loader re-created from this one (Lightning, Accelerate) names the same cache.
+        peers: the other servers' caches in a partitioned job (``partitioned.PeerTier``), or None.
 
     With a feed (``feed``, set by the loader: see ``epoch_ledger`` NOTE [ Feeds ]), ``__getitems__`` hands
     out the feed's prepared batches instead of fetching samples. A feed lives in the training process:
@@ -93,13 +94,14 @@ class CachedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset, source: RawBytesDataset | None, cache: MinIOCache | None,
-                 storage: Storage, counters: SampleCounters, identity: bytes | None):
+                 storage: Storage, counters: SampleCounters, identity: bytes | None, peers=None):
         self.dataset = dataset
         self.source = source
         self.cache = cache
         self.storage = storage
         self.counters = counters
         self.identity = identity
+        self.peers = peers
         self.feed = None
 
     def __getstate__(self) -> dict:
@@ -109,7 +111,8 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def unfed(self) -> "CachedDataset":
         """The same fetch path without the feed: what prepares the feed's batches loads through it."""
-        return CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.identity)
+        return CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.identity,
+                             self.peers)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -136,26 +139,69 @@ class CachedDataset(torch.utils.data.Dataset):
             self.cache.close()
 
     def fetch(self, index: int, row: np.ndarray) -> bytes:
-        """Raw bytes of sample ``index``: from the cache, else from storage (then offered to the cache).
+        """Raw bytes of sample ``index``: from the cache, else a peer's cache, else storage (then offered to
+        the cache). See :meth:`fetch_many`."""
+        return self.fetch_many([index], row)[0]
+
+    def fetch_many(self, indices: list[int], row: np.ndarray) -> list:
+        """Raw bytes of each of ``indices``: from the node's cache, else (partitioned) from the peer that
+        caches it, else from storage, offered to the cache (see ``partitioned`` NOTE [ Peer read path ]:
+        peers are asked for all of a batch's misses before storage is read).
 
         With a storage that stamps its files (``FileStorage``), a cached item is served only while its
         file's stamp (one ``stat``) is the one it was cached with: else (edited, replaced, a link
         re-pointed, gone) it is read from storage and counted ``stale``; the cache keeps the old bytes
-        (never rewritten under readers) and serves them to no one.
+        (never rewritten under readers) and serves them to no one. Bytes from a peer are not inserted:
+        the peer holds them already.
         """
+        if self.cache is not None and torch.utils.data.get_worker_info() is not None:
+            exit_when_orphaned(self._release)
+        raws, misses = [], []
+        for k, index in enumerate(indices):
+            raw = self._cached(index, row)
+            raws.append(raw)
+            if raw is None:
+                misses.append(k)
+        if not misses:
+            return raws
+        pending = self.peers.request([indices[k] for k in misses]) if self.peers is not None else None
+        asked = pending.asked if pending is not None else ()
+        for k in misses:
+            if indices[k] not in asked:
+                raws[k] = self._from_storage(indices[k], row)
+        if asked:
+            delivered = pending.collect()
+            for k in misses:
+                if indices[k] in asked:
+                    raw = delivered.get(indices[k])
+                    if raw is None:
+                        raws[k] = self._from_storage(indices[k], row)
+                    else:
+                        row[_PEER_HITS] += 1
+                        row[_PEER_BYTES] += len(raw)
+                        raws[k] = raw
+        return raws
+
+    def _cached(self, index: int, row: np.ndarray):
+        """The node's cached bytes of ``index`` if they are current, else None (counted ``stale`` if not)."""
+        cache = self.cache
+        if cache is None:
+            return None
+        raw = cache.get(index)
+        if raw is None:
+            return None
+        if getattr(self.storage, "read_stamped", None) is None or \
+                self.storage.stamp(self.source.raw_key(index)) == cache.stamp(index):
+            row[_HITS] += 1
+            row[_CACHE_BYTES] += len(raw)
+            return raw
+        row[_STALE] += 1
+        return None
+
+    def _from_storage(self, index: int, row: np.ndarray) -> bytes:
+        """``index`` read from storage and offered to the cache (unless its cached copy is stale: taken)."""
         cache, key = self.cache, self.source.raw_key(index)
         stamped = getattr(self.storage, "read_stamped", None)
-        if cache is not None:
-            if torch.utils.data.get_worker_info() is not None:
-                exit_when_orphaned(self._release)
-            raw = cache.get(index)
-            if raw is not None:
-                if stamped is None or self.storage.stamp(key) == cache.stamp(index):
-                    row[_HITS] += 1
-                    row[_CACHE_BYTES] += len(raw)
-                    return raw
-                row[_STALE] += 1
-                cache = None  # taken: the fresh bytes have nowhere to go
         try:
             raw, stamp = stamped(key) if stamped is not None else (self.storage.read(key), None)
         except OSError as e:
@@ -168,10 +214,14 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> Any:
         row = self.counters.row()
-        row[_SAMPLES] += 1
         if self.source is None:
+            row[_SAMPLES] += 1
             return self.dataset[index]
         raw = self.fetch(index, row)
+        row[_SAMPLES] += 1
+        return self._decode(index, raw)
+
+    def _decode(self, index: int, raw) -> Any:
         try:
             return self.source.decode_raw(index, raw)
         except OSError as e:  # PIL reports corrupt and truncated images as OSError
@@ -194,4 +244,9 @@ class CachedDataset(torch.utils.data.Dataset):
         if self.source is None and batched:
             self.counters.row()[_SAMPLES] += len(indices)
             return batched(indices)
-        return [self[i] for i in indices]
+        if self.source is None:
+            return [self[i] for i in indices]
+        row = self.counters.row()
+        raws = self.fetch_many(indices, row)
+        row[_SAMPLES] += len(indices)
+        return [self._decode(index, raw) for index, raw in zip(indices, raws)]

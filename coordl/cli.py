@@ -27,7 +27,8 @@ def _cache_ls(args) -> int:
         items = f"{c.items_cached}/{c.n_items}"
         size = f"{format_bytes(c.bytes_cached)}/{format_bytes(c.capacity_bytes)}"
         state = "stale" if c.users_alive == 0 else str(c.users_alive)
-        print(f"{c.name:<24}{items:>16}{size:>24}{'yes' if c.frozen else 'no':>8}{state:>7}  {c.label}")
+        role = f" [partitioned: server {c.partition[0]} of {c.partition[1]}]" if c.partition else ""
+        print(f"{c.name:<24}{items:>16}{size:>24}{'yes' if c.frozen else 'no':>8}{state:>7}  {c.label}{role}")
     _print_unreadable(found)
     return 0
 

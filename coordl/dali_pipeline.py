@@ -74,7 +74,7 @@ def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> 
     """In a fetch thread: (encoded arrays, target columns, counter deltas) of one batch. A column of
     scalars is one array; else a list of contiguous arrays (DALI takes either without a copy)."""
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
-    encoded = [np.frombuffer(cached.fetch(i, row), dtype=np.uint8) for i in indices]
+    encoded = [np.frombuffer(raw, dtype=np.uint8) for raw in cached.fetch_many(list(indices), row)]
     row[COUNTER_FIELDS.index("samples")] += len(indices)
     columns = [np.stack(column) if all(np.ndim(v) == 0 for v in column) else
                [np.ascontiguousarray(v) for v in column] for column in zip(*(read_target(i) for i in indices))]

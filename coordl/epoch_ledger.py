@@ -66,9 +66,15 @@ class EpochLedger:
         """A pass starts: end the previous one (complete if its plan ran out), start an epoch; return the
         pass's plan."""
         self.end(complete=self.current is not None and self.current.exhausted)
+        peers = self._peers()
+        started = time.perf_counter()
+        if peers is not None:
+            peers.begin_epoch(len(self.epochs) + 1)  # the servers' cache maps (partitioned)
         counters = self.dataset.counters if isinstance(self.dataset, CachedDataset) else None
         start = counters.totals() if counters else {}  # before the feed's producer starts fetching
-        epoch = EpochStats(epoch=len(self.epochs) + 1, group=self.group)
+        epoch = EpochStats(epoch=len(self.epochs) + 1, group=self.group,
+                           servers=peers.topology.nodes if peers is not None else 0)
+        epoch.stall_s += time.perf_counter() - started
         plan = batches
         if self.feed is not None:
             started = time.perf_counter()
@@ -76,6 +82,10 @@ class EpochLedger:
             epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
         self.current = _Running(epoch, owner, counters, start, self.feed.counters if self.feed is not None else None)
         return plan
+
+    def _peers(self):
+        """The dataset's peer tier (partitioned caching), or None."""
+        return getattr(self.dataset, "peers", None) if isinstance(self.dataset, CachedDataset) else None
 
     def planned(self, owner, batch) -> None:
         """The pass handed torch ``batch`` (a list of indices, or one index when unbatched)."""
@@ -143,4 +153,7 @@ class EpochLedger:
             add_epoch(total, e)
         if self.feed is not None:
             self._group_stats = self.feed.stats() or self._group_stats
-        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats(), group=self._group_stats)
+        peers = self._peers()
+        total.servers = peers.topology.nodes if peers is not None else 0
+        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats(), group=self._group_stats,
+                           peers=peers.peer_stats() if peers is not None else None)

@@ -122,6 +122,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             function among the settings jobs must agree on, for those that cannot be compared (an
             error says so) or should not be: jobs with equal keys share batches whatever those are.
             The dataset and batch settings are still compared. Defaults to None: compare them.
+        partitioned: in a job that spans several servers (torchrun), make the servers' caches one
+            aggregate cache: a local miss is fetched from the server that caches the item before
+            storage (see :mod:`coordl.partitioned`). ``"auto"``: on when torch.distributed's
+            environment shows several servers and the cache is on; ``True``: insist (fails without
+            that environment or with ``cache_bytes=0``); ``False``: off. Defaults to ``"auto"``.
 
     ``state_dict()``/``load_state_dict()`` checkpoint the loader mid-epoch, as torchdata's
     ``StatefulDataLoader`` does (see README "Checkpointing mid-epoch" for what is and isn't restored).
@@ -141,7 +146,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  drop_page_cache=None, storage=None, progress=False, backend="torch",
                  dali_pipeline="image_classification", dali_device="cpu", dali_train=None, hp_group=None,
                  hp_group_size=None, hp_staging_bytes="auto", hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S,
-                 hp_group_on_mismatch="raise", hp_group_key=None):
+                 hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto"):
         configure_from_env()
         if isinstance(batch_sampler, EpochBatchSampler) and batch_sampler.batches is None and sampler is None:
             # A framework re-created coordl's batch sampler around its own sampler (Lightning: a
@@ -170,10 +175,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             backend, dali_pipeline, dali_device, dali_train
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
-        self.hp_group_key = hp_group_key
+        self.hp_group_key, self.partitioned = hp_group_key, partitioned
         wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
-                               decode=not use_dali, storage=storage)
+                               decode=not use_dali, storage=storage, partitioned=partitioned)
         dali = None
         if use_dali:
             from coordl.dali_pipeline import DaliBackend
@@ -197,8 +202,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                 pin_memory_device=pin_memory_device, in_order=in_order)
         except BaseException:  # torch refused an argument: its error, with the cache given back now, not at gc
-            if getattr(wrapped, "cache", None) is not None:
-                wrapped.cache.close()
+            _release(wrapped)
             raise
         feed = self._feed(dali, staging_bytes, prep_options) if fed else None
         group = hp_group if getattr(feed, "group", None) is not None else None
@@ -322,9 +326,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self.epoch_ledger.stats()  # keep the group's last state
             self.epoch_ledger.feed.close()
         self._cache_stats()
-        cache = getattr(self.dataset, "cache", None)
-        if cache is not None:
-            cache.close()
+        _release(self.dataset)
 
     def __enter__(self) -> "DataLoader":
         return self
@@ -340,6 +342,14 @@ def _warn_unused_dali_options(pipeline, device, train) -> None:
     if given:
         warnings.warn(f"{', '.join(given)} only apply with backend='dali' (or 'auto'); backend='torch' ignores them.",
                       stacklevel=4)
+
+
+def _release(dataset) -> None:
+    """Stop the peer server this loader started (partitioned) and give up its use of the cache."""
+    if getattr(dataset, "peers", None) is not None:
+        dataset.peers.close()
+    if getattr(dataset, "cache", None) is not None:
+        dataset.cache.close()
 
 
 def _cache_fill(dataset):

@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 _MAGIC = int.from_bytes(b"COORDLC1", "little")
 _VERSION = 3
 (_H_MAGIC, _H_VERSION, _H_READY, _H_N_ITEMS, _H_CAPACITY, _H_DATA_OFFSET, _H_CURSOR, _H_FROZEN,
- _H_CREATED_NS, _H_CREATOR_PID, _H_ALLOCATED, _H_KEEP_FREE) = range(12)
+ _H_CREATED_NS, _H_CREATOR_PID, _H_ALLOCATED, _H_KEEP_FREE, _H_PEER_NODE, _H_PEER_NODES) = range(14)
 _HEADER_FIELDS = 32
 _FINGERPRINT_AT, _FINGERPRINT_LEN = 256, 32
 _LABEL_AT, _LABEL_LEN = 512, 512
@@ -134,6 +134,8 @@ class CacheStats:
     allocated_bytes: int
     frozen: bool
     users_alive: int
+    partition: tuple[int, int] | None = None
+    """(server, servers) when the cache is one server's part of a partitioned job's aggregate cache."""
 
     @property
     def fill_fraction(self) -> float:
@@ -445,6 +447,16 @@ class MinIOCache:
                        format_bytes(keep))
         return False
 
+    def mark_partition(self, node: int, nodes: int) -> None:
+        """Record that this cache is server ``node``'s part of a partitioned job over ``nodes`` servers."""
+        views = self._ensure()
+        with self._segment.locked(what=f"cache {self.name}"):
+            views.header[_H_PEER_NODE], views.header[_H_PEER_NODES] = node + 1, nodes
+
+    def ready_mask(self) -> np.ndarray:
+        """A bool array: which items are cached (a snapshot)."""
+        return self._ensure().status == _READY
+
     def keep_free(self, nbytes: int) -> None:
         """Make a growing cache leave at least ``nbytes`` of the shm file system free from now on."""
         views = self._ensure()
@@ -490,6 +502,8 @@ def _stats_of(name: str, buf, views: _Views, users_alive: int) -> CacheStats:
         allocated_bytes=int(views.header[_H_ALLOCATED]),
         frozen=bool(views.header[_H_FROZEN]),
         users_alive=users_alive,
+        partition=(int(views.header[_H_PEER_NODE]) - 1, int(views.header[_H_PEER_NODES]))
+        if views.header[_H_PEER_NODES] else None,
     )
 
 

@@ -14,6 +14,8 @@ class EpochStats:
     workers prepared; they differ only in an hp_group, where ``prepared`` batches were made by this
     job and ``shared`` ones taken from other members (``staging_wait_s`` waiting for those).
     ``stale`` counts the ``misses`` whose cached bytes were out of date (their file changed since).
+    In a partitioned job (``servers`` > 0), ``peer_hits`` and ``peer_bytes`` count the local misses
+    fetched from other servers' caches; ``misses`` and ``storage_bytes`` count only storage reads.
     """
 
     epoch: int
@@ -33,6 +35,9 @@ class EpochStats:
     prepared: int = 0
     shared: int = 0
     staging_wait_s: float = 0.0
+    servers: int = 0
+    peer_hits: int = 0
+    peer_bytes: int = 0
 
     @property
     def samples_per_s(self) -> float:
@@ -50,6 +55,8 @@ class EpochStats:
                 f"hits={self.hits} misses={self.misses} stale={self.stale} cache_bytes={self.cache_bytes} "
                 f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
                 f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill}")
+        if self.servers:
+            line += f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes}"
         if self.group is not None:
             line += (f" group={self.group} members={self.members} prepared={self.prepared} shared={self.shared} "
                      f"decoded={self.decoded} staging_wait_s={self.staging_wait_s:.3f}")
@@ -65,6 +72,9 @@ class LoaderStats:
     total: EpochStats
     cache: CacheStats | None
     group: GroupStats | None = None
+    peers: list[dict] | None = None
+    """Partitioned caching: per other server, its address, whether it is down, and the items, bytes,
+    requests and mean wait per request this rank fetched from it."""
 
     def as_dict(self) -> dict:
         """Plain dict (JSON-serialisable), derived rates included."""
@@ -74,11 +84,11 @@ class LoaderStats:
                                                  "fill_fraction": self.cache.fill_fraction}
         group = None if self.group is None else dataclasses.asdict(self.group)
         return {"epochs": [epoch_dict(e) for e in self.epochs], "total": epoch_dict(self.total), "cache": cache,
-                "group": group}
+                "group": group, "peers": self.peers}
 
 
 def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total``."""
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "stall_s", "time_s",
-                  "decoded", "prepared", "shared", "staging_wait_s"):
+                  "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))

@@ -1,0 +1,528 @@
+"""Partitioned caching: the MinIO caches of a multi-server job as one aggregate cache (CoorDL §6.2).
+
+In data-parallel training each server's shard changes every epoch, so a server misses on items another
+server caches. Here a local miss is fetched from the server that caches the item, over TCP, before
+falling back to storage: with aggregate cache >= dataset, storage is read once per training run.
+
+NOTE [ Ownership ]
+Epoch 1 fills each server's cache with what its ranks fetched, as on one server. At the start of every
+later epoch, until the map is final, the servers exchange what they hold through torch.distributed's
+store (torchrun's rendezvous ``TCPStore``, keys under ``coordl/<run id>/<restart>/loader<k>/``):
+  * every rank sets ``e<epoch>/ready/<node>/<local rank>``: its previous epoch is over, so its inserts are in;
+  * each node's local rank 0 waits for its node's ranks, then sets ``e<epoch>/map/<node>``: whether its
+    cache is frozen, and zlib of its cache's ready bitmap (1 bit per item);
+  * every rank reads every node's map and computes ``owner[i]`` = the lowest node holding item ``i``
+    (-1: no node), identical on every rank. It lives in shared memory (:class:`PeerState`) that the
+    rank's DataLoader workers read.
+The map is final once every item has an owner or every cache is frozen (nothing can change after);
+later epochs exchange nothing. Duplicates are avoided at the source: an item fetched from a peer is
+never inserted in the local cache, so after epoch 1 a cache takes only items no server holds (read from
+storage). Cost per exchange, per rank: reading ``nodes`` maps of at most N/8 bytes before compression;
+at 1.28M items over 64 servers a server's random 1/64 share is a 160 KB bitmap that compresses to 36 KB,
+so 2.3 MB per rank (1.2 GB served by the store to 512 ranks), once or a few times per run.
+
+NOTE [ Peer read path ]
+In a worker, ``CachedDataset`` looks up a minibatch in the local cache, then sends one request per
+owning peer for the batch's remaining misses (all sent before any reply is read), reads the misses no
+peer holds from storage meanwhile, then collects the replies, and reads from storage whatever a peer
+did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight, so requests for
+later batches of the plan are out while the training loop consumes earlier ones. A peer that refuses
+the connection, breaks the protocol or sends nothing for ``COORDL_PEER_TIMEOUT_S`` (default 1 s) is
+marked down for the rest of the epoch in shared memory (so the rank's other workers skip it at
+once), logged once, and its items come from storage; every epoch start tries it again.
+
+NOTE [ Security ]
+Peers authenticate each connection with HMAC challenge-response over a per-job secret (see
+``_peer_wire``): ``COORDL_PEER_SECRET`` if set (the same on every server), else one that the first rank
+to ask creates in the rendezvous store: it is exactly as private as that store (anyone who can reach
+torchrun's store can read it). The server binds the address this server uses to reach the store
+(``MASTER_ADDR``), never every interface, unless ``COORDL_PEER_HOST`` says otherwise.
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import logging
+import multiprocessing
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from coordl import _peer_wire as wire
+from coordl import peer_server
+
+logger = logging.getLogger(__name__)
+
+PARTITIONED = ("auto", True, False)
+SECRET_ENV = "COORDL_PEER_SECRET"
+HOST_ENV = "COORDL_PEER_HOST"
+PORT_ENV = "COORDL_PEER_PORT"
+TIMEOUT_ENV = "COORDL_PEER_TIMEOUT_S"
+PEER_TIMEOUT_S = 1.0
+"""Default connect and inactivity timeout of a peer request (``COORDL_PEER_TIMEOUT_S``)."""
+EXCHANGE_TIMEOUT_S = 300.0
+"""How long an epoch start waits for a live server's map (servers finish epochs together in DDP); a server
+found down in the last epoch, or whose peer server refuses connections, is not waited for."""
+CLOSE_WAIT_S = 10.0
+"""How long a closing peer server keeps serving for the other servers' ranks still loading."""
+_MAX_NODES = 4096
+_ADDR_BYTES = 64
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+(_ITEMS, _BYTES, _REQUESTS, _WAIT_NS) = range(4)
+PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns")
+_loaders_built = 0
+_built_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where this rank is in a torchrun job: ``node`` of ``nodes`` servers, ``local_rank`` of ``local_world``."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    node: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    run: str
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "Topology | None":
+        """torchrun's (or torch.distributed's ``env://``) variables, None when they are not all set."""
+        if any(name not in environ for name in _ENV):
+            return None
+        world, local_world = int(environ["WORLD_SIZE"]), int(environ["LOCAL_WORLD_SIZE"])
+        rank, local_rank = int(environ["RANK"]), int(environ["LOCAL_RANK"])
+        nodes = int(environ.get("GROUP_WORLD_SIZE", max(1, world // max(local_world, 1))))
+        node = int(environ.get("GROUP_RANK", rank // max(local_world, 1)))
+        run = f"{environ.get('TORCHELASTIC_RUN_ID', 'none')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        return cls(rank, world, local_rank, local_world, node, nodes, environ["MASTER_ADDR"],
+                   int(environ["MASTER_PORT"]), run)
+
+
+def resolve(partitioned, cache_on: bool) -> Topology | None:
+    """The topology to partition over for ``partitioned=``, or None when partitioned caching is off."""
+    if partitioned not in PARTITIONED or not isinstance(partitioned, (str, bool)):
+        raise ValueError(f"partitioned should be 'auto', True or False, but got partitioned={partitioned!r}")
+    if partitioned is False:
+        return None
+    topology = Topology.from_env()
+    if partitioned is True:
+        if topology is None:
+            missing = [name for name in _ENV if name not in os.environ]
+            raise RuntimeError(f"partitioned=True needs torch.distributed's environment (launch with torchrun); "
+                               f"{', '.join(missing)} not set")
+        if not cache_on:
+            raise ValueError("partitioned=True needs the cache: cache_bytes=0 turns it off")
+        if topology.nodes > _MAX_NODES:
+            raise ValueError(f"partitioned caching supports up to {_MAX_NODES} servers, not {topology.nodes}")
+        return topology
+    if topology is None or topology.nodes < 2 or not cache_on or topology.nodes > _MAX_NODES:
+        return None
+    return topology
+
+
+def owners_of(maps: list[np.ndarray | None]) -> np.ndarray:
+    """``owner[i]``: the lowest node whose bool map holds item ``i``, -1 where none does (None: a node
+    whose map is unknown holds nothing)."""
+    n = next(len(m) for m in maps if m is not None)
+    owner = np.full(n, -1, dtype=np.int16)
+    for node in range(len(maps) - 1, -1, -1):
+        if maps[node] is not None:
+            owner[maps[node]] = node
+    return owner
+
+
+def encode_map(ready: np.ndarray, frozen: bool) -> bytes:
+    """A node's map for the store: frozen flag, item count, zlib of its ready bitmap."""
+    return struct.pack("!BQ", int(frozen), len(ready)) + zlib.compress(np.packbits(ready).tobytes(), 1)
+
+
+def decode_map(blob: bytes, n_items: int) -> tuple[np.ndarray, bool]:
+    frozen, n = struct.unpack_from("!BQ", blob)
+    if n != n_items:
+        raise RuntimeError(f"coordl partitioned caching: a server's dataset has {n} items, this one {n_items}; "
+                           "every server must load the same dataset")
+    bits = np.frombuffer(zlib.decompress(blob[9:]), dtype=np.uint8)
+    return np.unpackbits(bits, count=n).astype(bool), bool(frozen)
+
+
+class PeerState:
+    """What a rank's processes share about the peers (torch shared tensors, so it travels to DataLoader
+    workers, forked or spawned): ``owner`` int16[N], ``meta`` (map version, final), ``down`` flags per
+    node (this epoch) and ``warned`` (said so), their ``addresses``, and per-process, per-node counters (:data:`PEER_COUNTERS`)."""
+
+    def __init__(self, n_items: int, nodes: int, processes: int):
+        self.owner = torch.full((n_items,), -1, dtype=torch.int16).share_memory_()
+        self.meta = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.down = torch.zeros(nodes, dtype=torch.int32).share_memory_()
+        self.warned = torch.zeros(nodes, dtype=torch.int32).share_memory_()
+        self.addresses = torch.zeros((nodes, _ADDR_BYTES), dtype=torch.uint8).share_memory_()
+        self.counters = torch.zeros((max(processes, 1), nodes, len(PEER_COUNTERS)), dtype=torch.int64).share_memory_()
+
+    def address(self, node: int) -> tuple[str, int] | None:
+        text = bytes(self.addresses[node].numpy()).rstrip(b"\0").decode()
+        if not text:
+            return None
+        host, port = text.rsplit(":", 1)
+        return host, int(port)
+
+    def set_address(self, node: int, text: str) -> None:
+        raw = text.encode()[:_ADDR_BYTES]
+        self.addresses[node] = 0
+        self.addresses[node, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _local_address(topology: Topology) -> str:
+    """The address this server uses to reach the rendezvous store (a UDP connect sends nothing)."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    family = socket.AF_INET6 if ":" in topology.master_addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((topology.master_addr, topology.master_port))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _store(topology: Topology, prefix: str):
+    import torch.distributed as dist
+    store = dist.TCPStore(topology.master_addr, topology.master_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    return dist.PrefixStore(prefix, store)
+
+
+def _timeout_s() -> float:
+    try:
+        value = float(os.environ.get(TIMEOUT_ENV, PEER_TIMEOUT_S))
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} should be a number of seconds, but got {os.environ[TIMEOUT_ENV]!r}") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} should be positive, but got {value}")
+    return value
+
+
+class PeerTier:
+    """A rank's part in partitioned caching: the ownership map and peer addresses (exchanged by the
+    training process at epoch starts, see NOTE [ Ownership ]), this node's peer server (started by local
+    rank 0), and the client side of the read path (in whichever process fetches, see NOTE [ Peer read path ]).
+
+    Args:
+        topology: this rank's place in the job.
+        cache: this node's MinIO cache of the dataset.
+        source, storage: the dataset's raw keys and where they are read (the peer server checks its
+            items against their files as a local hit is checked).
+        processes: rows of per-process counters (the loader's workers + 1).
+        sample_keys: a digest of the dataset's item names, compared across servers.
+    """
+
+    def __init__(self, topology: Topology, cache, source, storage, processes: int):
+        global _loaders_built
+        with _built_lock:
+            ordinal, _loaders_built = _loaders_built, _loaders_built + 1
+        self.topology, self.n_items = topology, len(source)
+        self.prefix = f"coordl/{topology.run}/loader{ordinal}/"
+        self.state = PeerState(self.n_items, topology.nodes, processes)
+        self.timeout_s = _timeout_s()
+        self._store = _store(topology, self.prefix)
+        self.secret = self._secret()
+        self._cache, self._server = cache, None
+        self._maps_known = 0  # the last epoch begun
+        self._conns: dict[int, socket.socket] = {}
+        self._conn_pid = os.getpid()
+        self._names = _names_digest(source)
+        if topology.local_rank == 0:
+            cache.mark_partition(topology.node, topology.nodes)
+            self._server = _start_server(cache, source, storage, self.secret, topology, ordinal)
+            host, port = self._server.address
+            self._store.set(f"addr/{topology.node}", f"{host}:{port}|{self.n_items}|{self._names}")
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.update(_store=None, _server=None, _cache=None, _conns={}, _conn_pid=None)
+        return state
+
+    def _secret(self) -> bytes:
+        given = os.environ.get(SECRET_ENV)
+        if given:
+            return given.encode()
+        return bytes(self._store.compare_set("secret", "", secrets.token_hex(32)))
+
+    # -- the training process: epoch starts ------------------------------------------------------------
+
+    def begin_epoch(self, epoch: int) -> None:
+        """The rank starts ``epoch`` (1-based): from epoch 2 on, until the map is final, exchange what every
+        server's cache holds and publish the new map to this rank's workers."""
+        if self._store is None or epoch <= self._maps_known:
+            return
+        self._maps_known = epoch
+        self.state.down.zero_()  # every epoch tries again the peers the last one found down
+        if epoch < 2 or self.state.meta[1]:
+            return
+        t, store = self.topology, self._store
+        store.set(f"e{epoch}/ready/{t.node}/{t.local_rank}", "1")
+        if t.local_rank == 0:
+            self._wait([f"e{epoch}/ready/{t.node}/{r}" for r in range(t.local_world)],
+                       f"the other ranks of server {t.node}")
+            cache = self._cache
+            store.set(f"e{epoch}/map/{t.node}", encode_map(cache.ready_mask(), cache.stats().frozen))
+        maps, frozen = [], []
+        for node in range(t.nodes):
+            if node != t.node and self.state.address(node) is None:
+                self._learn_address(node)
+            key = f"e{epoch}/map/{node}"
+            if not self._live(node) or not self._wait([key], f"server {node}'s cache map"):
+                maps.append(None)  # a server that is gone: its items come from storage this epoch
+                frozen.append(False)
+                continue
+            ready, is_frozen = decode_map(store.get(key), self.n_items)
+            maps.append(ready)
+            frozen.append(is_frozen)
+        owner = owners_of(maps)
+        self.state.owner.copy_(torch.from_numpy(owner))
+        final = all(m is not None for m in maps) and (bool((owner >= 0).all()) or all(frozen))
+        self.state.meta[0] += 1
+        self.state.meta[1] = int(final)
+        held = np.bincount(owner[owner >= 0], minlength=t.nodes)
+        logger.info("coordl partitioned caching, epoch %d: %d of %d items cached across %d servers (%s)%s", epoch,
+                    int((owner >= 0).sum()), self.n_items, t.nodes, ", ".join(f"server {n}: {c}" for n, c in
+                                                                             enumerate(held)),
+                    "; the map is final" if final else "")
+
+    def _wait(self, keys: list[str], what: str, timeout: float = EXCHANGE_TIMEOUT_S) -> bool:
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=timeout))
+            return True
+        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on a timeout
+            logger.warning("coordl partitioned caching: gave up waiting for %s after %.0f s (%s); its items come "
+                           "from storage this epoch", what, timeout, e)
+            return False
+
+    def _live(self, node: int) -> bool:
+        """Whether ``node`` takes part in this epoch's map: this server, or one whose peer server accepts a
+        connection now (so a dead server is never waited for); says once when one stops answering."""
+        if node == self.topology.node or self._reachable(node):
+            return True
+        self._say_down(node, "its peer server does not answer")
+        return False
+
+    def _reachable(self, node: int) -> bool:
+        """Whether ``node``'s peer server accepts a connection now (so a dead server is not waited for)."""
+        address = self.state.address(node)
+        if address is None:
+            return False
+        try:
+            socket.create_connection(address, timeout=self.timeout_s).close()
+            return True
+        except OSError:
+            return False
+
+    def _learn_address(self, node: int) -> None:
+        if not self._wait([f"addr/{node}"], f"server {node}'s address"):
+            return
+        address, n_items, names = bytes(self._store.get(f"addr/{node}")).decode().split("|")
+        if int(n_items) != self.n_items or names != self._names:
+            raise RuntimeError(f"coordl partitioned caching: server {node}'s dataset ({n_items} items) is not this "
+                               f"server's ({self.n_items} items, or other file names): every server must load the "
+                               "same dataset in the same order (or pass partitioned=False)")
+        self.state.set_address(node, address)
+
+    # -- any process: the read path ------------------------------------------------------------------------
+
+    def request(self, indices: list[int]) -> "PendingFetch":
+        """Send requests for ``indices`` (local misses) to the peers that own them; the returned
+        :class:`PendingFetch` says which were asked and collects the replies."""
+        pending = PendingFetch(self)
+        if not indices or not self.state.meta[0]:
+            return pending
+        owner, down, me = self.state.owner.numpy(), self.state.down.numpy(), self.topology.node
+        by_node: dict[int, list[int]] = {}
+        for i in indices:
+            node = int(owner[i])
+            if node >= 0 and node != me and not down[node]:
+                by_node.setdefault(node, []).append(i)
+        for node, ids in by_node.items():
+            try:
+                conn = self._connection(node)
+                for start in range(0, len(ids), wire.MAX_IDS):
+                    conn.sendall(wire.encode_request(ids[start:start + wire.MAX_IDS]))
+            except (OSError, wire.PeerProtocolError) as e:
+                self._mark_down(node, e)
+                continue
+            pending.sent[node] = ids
+            pending.asked.update(ids)
+        return pending
+
+    def _connection(self, node: int) -> socket.socket:
+        if self._conn_pid != os.getpid():  # inherited over fork: the parent's sockets are not ours
+            self._conns, self._conn_pid = {}, os.getpid()
+        conn = self._conns.get(node)
+        if conn is None:
+            address = self.state.address(node)
+            if address is None:
+                raise ConnectionError(f"server {node}'s address is unknown")
+            conn = socket.create_connection(address, timeout=self.timeout_s)
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s)
+            except BaseException:
+                conn.close()
+                raise
+            conn.settimeout(self.timeout_s)
+            self._conns[node] = conn
+        return conn
+
+    def _mark_down(self, node: int, error: BaseException) -> None:
+        conn = self._conns.pop(node, None)
+        if conn is not None:
+            conn.close()
+        if not self.state.down[node]:
+            self.state.down[node] = 1
+            self._say_down(node, f"{type(error).__name__}: {error}")
+
+    def _say_down(self, node: int, why: str) -> None:
+        """Log that ``node`` is down, the first time any process of this rank finds it so."""
+        if self.state.warned[node]:
+            logger.debug("coordl partitioned caching: server %d is still down (%s)", node, why)
+            return
+        self.state.warned[node] = 1
+        address = self.state.address(node)
+        logger.warning("coordl partitioned caching: server %d (%s) is down (%s); its cached items come from storage, "
+                       "and it is tried again at every epoch start (said once)", node,
+                       "%s:%d" % address if address else "address unknown", why)
+
+    def counters_row(self) -> np.ndarray:
+        """This process's per-node counters (a writable numpy view), as ``SampleCounters.row`` picks rows."""
+        table = self.state.counters.numpy()
+        info, n = torch.utils.data.get_worker_info(), len(table)
+        return table[0 if info is None or n == 1 else 1 + info.id % (n - 1)]
+
+    def peer_stats(self) -> list[dict]:
+        """Per peer: its address, whether it is down, and the items, bytes, requests and mean wait per request."""
+        totals = self.state.counters.sum(dim=0).numpy()
+        out = []
+        for node in range(self.topology.nodes):
+            if node == self.topology.node:
+                continue
+            items, nbytes, requests, wait_ns = (int(v) for v in totals[node])
+            address = self.state.address(node)
+            out.append({"node": node, "address": "%s:%d" % address if address else None,
+                        "down": bool(self.state.down[node]), "items": items, "bytes": nbytes, "requests": requests,
+                        "mean_wait_ms": wait_ns / requests / 1e6 if requests else 0.0})
+        return out
+
+    def close(self) -> None:
+        """Close this process's connections; in the training process, say that this rank is done, and, where
+        this rank runs the node's peer server, keep serving until every rank of the other live servers is done
+        too (at most ``CLOSE_WAIT_S``), then stop it."""
+        for conn in self._conns.values():
+            conn.close()
+        self._conns = {}
+        t, store = self.topology, self._store
+        if store is None:
+            return
+        self._store = None
+        store.set(f"closed/{t.node}/{t.local_rank}", "1")
+        if self._server is not None:
+            others = [f"closed/{node}/{r}" for node in range(t.nodes) for r in range(t.local_world)
+                      if node != t.node and self._reachable(node)]
+            try:
+                store.wait(others, datetime.timedelta(seconds=CLOSE_WAIT_S))
+            except Exception as e:  # DistStoreError on a timeout
+                logger.info("coordl partitioned caching: stopping server %d's peer server before every other rank "
+                            "is done (%s)", t.node, e)
+            self._server.stop()
+            self._server = None
+
+
+class PendingFetch:
+    """Requests sent to peers for some misses of a minibatch: ``asked`` (the ids sent), ``collect()``."""
+
+    def __init__(self, tier: PeerTier):
+        self.tier, self.sent, self.asked = tier, {}, set()
+        self._started = time.monotonic_ns()
+
+    def collect(self) -> dict[int, object]:
+        """The items peers delivered, checked (see ``_peer_wire``); an id missing here comes from storage."""
+        got, tier = {}, self.tier
+        row = tier.counters_row() if self.sent else None
+        for node, ids in self.sent.items():
+            received = 0
+            try:
+                conn = tier._conns[node]
+                for start in range(0, len(ids), wire.MAX_IDS):
+                    for index, data in wire.read_reply(conn, ids[start:start + wire.MAX_IDS], None):
+                        if data is not None:
+                            got[index] = data
+                            received += len(data)
+                            row[node, _ITEMS] += 1
+            except (OSError, KeyError, wire.PeerProtocolError) as e:
+                tier._mark_down(node, e)
+            row[node, _BYTES] += received
+            row[node, _REQUESTS] += 1
+            row[node, _WAIT_NS] += time.monotonic_ns() - self._started
+        return got
+
+
+class _ServerProcess:
+    """This node's peer server (``peer_server.serve``), a child forked as torch forks DataLoader workers."""
+
+    def __init__(self, cache, source, storage, secret: bytes, host: str, port: int):
+        ctx = multiprocessing.get_context("fork")
+        self.control, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=peer_server.serve, args=(cache, source, storage, secret, host, port, theirs),
+                                name="coordl-peer-server", daemon=True)
+        self.proc.start()
+        theirs.close()
+        try:
+            kind, value = self.control.recv() if self.control.poll(60) else ("error", "no answer in 60 s")
+        except EOFError:
+            kind, value = "error", f"it exited with status {self.proc.exitcode}"
+        if kind != "port":
+            self.stop()
+            raise RuntimeError(f"coordl partitioned caching: the peer server could not listen on {host}:{port}: "
+                               f"{value} (set {HOST_ENV} / {PORT_ENV} to choose where)")
+        self.address = (host, value)
+
+    def stop(self) -> None:
+        try:
+            self.control.send("stop")
+        except OSError:
+            pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.control.close()
+
+
+def _start_server(cache, source, storage, secret: bytes, topology: Topology, ordinal: int) -> _ServerProcess:
+    host = _local_address(topology)
+    port = int(os.environ.get(PORT_ENV, 0) or 0)
+    server = _ServerProcess(cache, source, storage, secret, host, port + ordinal if port else 0)
+    logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
+                topology.nodes, *server.address)
+    return server
+
+
+def _names_digest(source) -> str:
+    """A digest of the last two path components of up to 1024 evenly spaced keys: the same dataset on every
+    server, wherever each keeps its copy."""
+    n = len(source)
+    step = max(1, n // 1024)
+    h = hashlib.blake2b(str(n).encode(), digest_size=8)
+    for i in range(0, n, step):
+        h.update("/".join(str(source.raw_key(i)).replace(os.sep, "/").split("/")[-2:]).encode() + b"\0")
+    return h.hexdigest()
+

@@ -1,0 +1,125 @@
+"""A node's peer server: serves the items its MinIO cache holds to the other servers of a partitioned job.
+
+One per node and cache, started by the node's local rank 0 (``partitioned``) as a forked child process,
+as torch forks its DataLoader workers, so serving never takes the training loop's GIL and reads the
+dataset's keys without pickling them. It exits when that rank tells it to (closing the loader), exits
+or dies (it polls its parent). See ``_peer_wire`` NOTE [ Peer wire ] for the protocol.
+
+Each client gets a thread. A client that fails the handshake, sends a malformed or oversized frame, an
+id out of range, or takes more than ``frame_s`` to send a frame it has begun is dropped; the server and
+its other clients go on.
+"""
+
+import logging
+import os
+import socket
+import threading
+import time
+
+from coordl import _peer_wire as wire
+from coordl._worker import exit_when_orphaned
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_S = 5.0
+FRAME_S = 5.0
+IDLE_S = 3600.0
+MAX_CLIENTS = 512
+
+
+class PeerServer:
+    """Serves ``lookup(index) -> bytes-like | None`` for ids in ``range(n_items)`` to clients that know
+    ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which)."""
+
+    def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *,
+                 frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
+        self.lookup, self.n_items, self.secret = lookup, n_items, secret
+        self.frame_s, self.max_clients = frame_s, max_clients
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                         backlog=128)
+        self.address = self.sock.getsockname()[:2]
+        self.served_items = self.refused = 0
+        self._clients: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> "PeerServer":
+        threading.Thread(target=self.serve_forever, name="coordl-peer-accept", daemon=True).start()
+        return self
+
+    def serve_forever(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if len(self._clients) >= self.max_clients or self._closed:
+                    conn.close()
+                    continue
+                self._clients.add(conn)
+            threading.Thread(target=self._serve_client, args=(conn,), name="coordl-peer-client", daemon=True).start()
+
+    def _serve_client(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S)
+            while True:
+                ids = wire.read_request(conn, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
+                if ids is None:
+                    return
+                wire.send_reply(conn, [(i, self.lookup(i)) for i in ids])
+                self.served_items += len(ids)
+        except (OSError, wire.PeerProtocolError) as e:  # TimeoutError and ConnectionError are OSErrors
+            with self._lock:
+                self.refused += 1
+            logger.debug("coordl peer server: dropped a client: %s", e)
+        finally:
+            with self._lock:
+                self._clients.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self._lock:
+            for conn in list(self._clients):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def cache_lookup(cache, source, storage):
+    """``lookup`` serving ``cache``'s items as a local hit is served: with a storage that stamps its files,
+    only while the item's file still has the stamp it was cached with (see ``CachedDataset.fetch``)."""
+    stamped = getattr(storage, "read_stamped", None) is not None
+
+    def lookup(index: int):
+        raw = cache.get(index)
+        if raw is None or (stamped and storage.stamp(source.raw_key(index)) != cache.stamp(index)):
+            return None
+        return raw
+    return lookup
+
+
+def serve(cache, source, storage, secret: bytes, host: str, port: int, control) -> None:
+    """The server process: serve ``cache`` on ``host:port``, send ``("port", n)`` on the ``control`` pipe
+    once listening, and exit when the pipe says stop or closes, or the parent dies."""
+    try:
+        server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port).start()
+    except OSError as e:
+        control.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    exit_when_orphaned(cache.close)
+    control.send(("port", server.address[1]))
+    try:
+        control.recv()
+    except (EOFError, OSError):
+        pass
+    server.close()
+    cache.close()

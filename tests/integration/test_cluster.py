@@ -1,0 +1,138 @@
+"""The simulated-cluster fixture (tests/cluster.py): nodes that each have their own address, /dev/shm,
+hostname and cgroup, run one torchrun job together, and leave nothing behind."""
+
+import contextlib
+import glob
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from benchmarks.storage_env import Cleanup, copy_to_loop_disk, evict_files
+from tests.cluster import make_cluster  # noqa: F401 (a fixture)
+
+JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cluster_job.py")
+WORKER = f"-u {JOB}"
+"""In a torchrun worker's command line (not in torchrun's, nor in that of the sh running it)."""
+RUN_S = 120
+
+pytestmark = pytest.mark.slow
+
+
+def netns_cluster(make_cluster, nodes: int, **kwargs):
+    """A cluster in netns mode, or a skip saying why there is none."""
+    cluster = make_cluster(nodes, **kwargs)
+    if cluster.mode != "netns":
+        pytest.skip(f"no network namespaces here: {cluster.why}")
+    return cluster
+
+
+def run_allreduce(cluster, out, nproc: int) -> list[dict]:
+    """Run the all_reduce job with ``nproc`` ranks a node, check what every node can and cannot share, and
+    return what each rank saw (``rank<r>.json`` in ``out``)."""
+    os.mkdir(out)
+    cluster.launch_all(JOB, ["allreduce", out], nproc=nproc)
+    assert cluster.wait(RUN_S) == [0] * len(cluster.names), [cluster.log(n)[-3000:] for n in range(len(cluster.names))]
+    ranks = [json.loads(open(path).read()) for path in sorted(glob.glob(os.path.join(out, "rank*.json")))]
+    world = len(cluster.names) * nproc
+    assert [r["rank"] for r in ranks] == list(range(world))
+    for r in ranks:
+        assert r["sum"] == world * (world - 1) // 2
+        assert r["node"] == r["rank"] // nproc
+        own = {f"rank{q}" for q in range(r["node"] * nproc, (r["node"] + 1) * nproc)}
+        assert set(r["shm_dir"]) == own, "a node sees another node's shared memory"
+    return ranks
+
+
+def workers(cluster, node: int) -> list[int]:
+    """``node``'s torchrun workers."""
+    found = []
+    for pid in cluster.pids(node):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if WORKER in f.read().replace(b"\0", b" ").decode():
+                found.append(pid)
+    return found
+
+
+def assert_nothing_left(cluster) -> None:
+    """No namespace, cgroup or process of ``cluster`` is left."""
+    if cluster.mode == "netns":
+        assert cluster.token not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not glob.glob(f"/sys/fs/cgroup/*/cdl{cluster.token}*")
+    assert not any(cluster.pids(n) for n in range(len(cluster.names)))
+
+
+def test_nodes_have_their_own_address_shm_and_hostname(make_cluster, tmp_path):
+    cluster = netns_cluster(make_cluster, 2)
+    ranks = run_allreduce(cluster, str(tmp_path / "out"), nproc=2)
+    shm_folder = os.path.basename(os.environ["COORDL_SHM_DIR"])
+    for r in ranks:
+        assert r["address"] == cluster.addresses[r["node"]]
+        assert r["hostname"] == cluster.names[r["node"]]
+        assert r["dev_shm"] == [shm_folder]  # a fresh tmpfs holding only the test's shm folder
+    assert len(set(cluster.addresses)) == 2
+    assert cluster.shm_left(0) == cluster.shm_left(1) == []
+    cluster.close()
+    assert_nothing_left(cluster)
+
+
+def test_exec_logs_into_a_node_and_kill_takes_it_down(make_cluster):
+    cluster = netns_cluster(make_cluster, 2)
+    cluster.launch_all(JOB, ["sleep", "300"])
+    deadline = time.monotonic() + RUN_S
+    while not all(map(workers, (cluster, cluster), (0, 1))):
+        assert time.monotonic() < deadline, [cluster.log(n) for n in (0, 1)]
+        time.sleep(0.2)
+    shell = "hostname; hostname -i; grep blkio /proc/self/cgroup; df --output=source /dev/shm"
+    login = cluster.exec(1, ["sh", "-c", shell], stdout=subprocess.PIPE, text=True)
+    hostname, address, cgroup, _, shm = login.communicate(timeout=RUN_S)[0].split()
+    assert (hostname, address, shm) == (cluster.names[1], cluster.addresses[1], "cdl-shm")  # the node's own
+    assert cgroup.endswith(f"/{cluster.names[1]}")
+    worker = workers(cluster, 0)
+    assert cluster.kill(0, match=WORKER) == worker and cluster.pids(0)  # not torchrun, nor the sh running it
+    assert cluster.kill(1)
+    assert cluster.wait(10, nodes=[1]) == [-9]
+    assert cluster.pids(1) == []
+    cluster.close()
+    assert_nothing_left(cluster)
+
+
+def test_a_failing_job_returns_its_exit_code_and_traceback(make_cluster):
+    cluster = make_cluster(1)
+    cluster.launch(0, JOB, ["fail"])
+    assert cluster.wait(RUN_S) == [1]
+    log = cluster.log(0)
+    assert "Traceback" in log and "RuntimeError: the job failed on purpose" in log
+
+
+def test_loopback_mode_runs_the_same_job(make_cluster, tmp_path):
+    cluster = make_cluster(2, isolation="loopback")
+    print(f"loopback: {cluster.why}")
+    assert cluster.mode == "loopback" and cluster.addresses == ["127.0.0.2", "127.0.0.3"]
+    run_allreduce(cluster, str(tmp_path / "out"), nproc=1)
+    cluster.close()
+    assert_nothing_left(cluster)
+
+
+def test_device_reads_are_counted_per_node(make_cluster, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "blob").write_bytes(os.urandom(4 * 2**20))
+    with Cleanup() as cleanup:
+        try:
+            disk = copy_to_loop_disk(cleanup, str(tmp_path), str(data))
+        except OSError as e:
+            pytest.skip(f"no loop device: {e}")
+        try:
+            cluster = make_cluster(2, device=disk.device)
+        except OSError as e:
+            pytest.skip(str(e))
+        evict_files(disk.root)
+        reader = cluster.exec(0, ["cat", os.path.join(disk.root, "blob")], stdout=subprocess.DEVNULL)
+        assert reader.wait(RUN_S) == 0
+        assert cluster.device_read_bytes(0) >= 4 * 2**20
+        assert cluster.device_read_bytes(1) == 0
+        cluster.close()  # before the disk is unmounted
+    assert_nothing_left(cluster)

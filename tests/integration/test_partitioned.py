@@ -1,0 +1,251 @@
+"""Partitioned caching across servers, each in its own network and mount namespace with its own /dev/shm and
+storage cgroup, launched by its own torchrun (``tests/cluster.py``): storage read once, every sample exactly
+once per epoch, peers dying mid-epoch, strangers refused."""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import zlib
+
+import pytest
+from torch.utils.data.distributed import DistributedSampler
+
+from benchmarks.storage_env import Cleanup, copy_to_loop_disk, evict_files
+from coordl.synthetic import make_image_folder
+from tests.cluster import make_cluster  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_partitioned_job.py")
+N_FILES = 96
+SECRET = "known-to-this-test"
+
+
+@pytest.fixture(scope="module")
+def source_root(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("partitioned") / "images")
+    make_image_folder(root, N_FILES, n_classes=3, mean_side_px=64, seed=4)
+    return root
+
+
+@pytest.fixture
+def dataset(source_root, tmp_path):
+    """The dataset on a loop device of its own where one can be made (so each server's device reads are
+    counted), else on the real disk: (root, its files' crc32s and sizes in index order, device or None)."""
+    with Cleanup() as cleanup:
+        try:
+            disk = copy_to_loop_disk(cleanup, str(tmp_path), source_root)
+            root, device = disk.root, disk.device
+            evict_files(root)
+        except OSError as e:
+            print(f"dataset on the real disk, device reads not counted: {e}")
+            root, device = source_root, None
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+        crcs, sizes = [], []
+        for path in files:
+            with open(path, "rb") as f:
+                raw = f.read()
+            crcs.append(zlib.crc32(raw))
+            sizes.append(len(raw))
+        if device is not None:
+            evict_files(root)
+        yield root, crcs, sizes, device
+
+
+def _run(cluster, root: str, out: str, *, epochs: int, cache_bytes, nproc: int, extra=(), wait=True):
+    os.makedirs(out, exist_ok=True)
+    cluster.launch_all(JOB, ["--root", root, "--out", out, "--epochs", str(epochs), "--cache-bytes", str(cache_bytes),
+                             *extra], nproc=nproc, env={"COORDL_LOG_LEVEL": "INFO", "COORDL_PEER_SECRET": SECRET})
+    if wait:
+        return _results(cluster, out, nproc)
+
+
+def _results(cluster, out: str, nproc: int, nodes=None) -> list[dict]:
+    nodes = list(range(len(cluster.addresses))) if nodes is None else nodes
+    codes = cluster.wait(240, nodes=nodes)
+    assert codes == [0] * len(nodes), "\n".join(cluster.log(n)[-3000:] for n in nodes)
+    for node in nodes:
+        assert cluster.shm_left(node) == [], f"server {node} left {cluster.shm_left(node)} in its /dev/shm"
+    with_rank = [json.load(open(os.path.join(out, f"rank{r}.json"))) for node in nodes
+                 for r in range(node * nproc, (node + 1) * nproc)]
+    return with_rank
+
+
+def _check_every_sample_once(results: list[dict], crcs: list[int], epochs: int) -> None:
+    for e in range(epochs):
+        samples = [s for r in results for s in r["epochs"][e]["samples"]]
+        assert sorted(i for i, _ in samples) == list(range(len(crcs))), f"epoch {e + 1}"
+        assert all(crcs[i] == c for i, c in samples), f"epoch {e + 1}: bytes that are not the file's"
+
+
+def _epoch_sum(results: list[dict], epoch: int, field: str) -> int:
+    return sum(r["stats"][epoch - 1][field] for r in results)
+
+
+def _print_mode(cluster) -> None:
+    print(f"cluster: {cluster.mode} ({cluster.why or 'namespaces'})")
+
+
+def test_with_the_whole_dataset_cached_across_servers_storage_is_read_once(make_cluster, dataset, tmp_path):
+    root, crcs, sizes, device = dataset
+    total = sum(sizes)
+    cluster = make_cluster(2, device=device)
+    _print_mode(cluster)
+    results = _run(cluster, root, str(tmp_path / "out"), epochs=3, cache_bytes=total, nproc=2)
+    _check_every_sample_once(results, crcs, 3)
+    assert _epoch_sum(results, 1, "storage_bytes") == total
+    for epoch in (2, 3):
+        assert _epoch_sum(results, epoch, "storage_bytes") == 0
+        assert _epoch_sum(results, epoch, "peer_hits") > 0
+        assert _epoch_sum(results, epoch, "hits") + _epoch_sum(results, epoch, "peer_hits") == len(sizes)
+        assert _epoch_sum(results, epoch, "peer_bytes") + _epoch_sum(results, epoch, "cache_bytes") == total
+    assert len({r["owner_digest"] for r in results}) == 1  # one ownership map on every rank
+    assert sorted(tuple(r["partition"]) for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert all(p["bytes"] > 0 and not p["down"] for r in results for p in r["peers"])
+    if device is not None:  # the devices agree: the dataset once (file system blocks), not three times
+        read = [cluster.device_read_bytes(n) for n in range(2)]
+        assert total <= sum(read) <= 1.1 * total + 2**20, read
+
+
+def test_later_epochs_read_what_no_server_caches(make_cluster, dataset, tmp_path):
+    root, crcs, sizes, device = dataset
+    total = sum(sizes)
+    cluster = make_cluster(2, device=device)
+    results = _run(cluster, root, str(tmp_path / "out"), epochs=3, cache_bytes=total // 4, nproc=2)
+    _check_every_sample_once(results, crcs, 3)
+    cached = sum({r["node"]: r["cached_bytes"] for r in results}.values())  # one cache per server
+    assert total / 2 - 2 * max(sizes) <= cached <= total / 2
+    for epoch in (2, 3):  # exactly dataset - aggregate cache: no duplicates across servers
+        assert _epoch_sum(results, epoch, "storage_bytes") == total - cached
+        assert _epoch_sum(results, epoch, "peer_bytes") + _epoch_sum(results, epoch, "cache_bytes") == cached
+    if device is not None:
+        read = sum(cluster.device_read_bytes(n) for n in range(2))
+        assert total + 2 * (total - cached) <= read <= 1.1 * (3 * total - 2 * cached) + 2**20
+
+
+def _wait_paused(out: str, ranks, timeout=120) -> dict:
+    deadline = time.monotonic() + timeout
+    paths = [os.path.join(out, f"paused-rank{r}") for r in ranks]
+    while not all(os.path.exists(p) and os.path.getsize(p) for p in paths):
+        assert time.monotonic() < deadline, "the ranks never paused"
+        time.sleep(0.1)
+    return {r: json.load(open(p)) for r, p in zip(ranks, paths)}
+
+
+def test_a_peer_server_killed_mid_epoch_costs_storage_reads_not_samples_or_time(make_cluster, dataset, tmp_path):
+    root, crcs, sizes, _ = dataset
+    total = sum(sizes)
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    _run(cluster, root, out, epochs=3, cache_bytes=total, nproc=1, extra=["--pause", "2:1", "--batch-size", "4"],
+         wait=False)
+    paused = _wait_paused(out, [0, 1])
+    assert paused[1]["server_pid"] in cluster.pids(1)
+    os.kill(paused[1]["server_pid"], signal.SIGKILL)  # server 1's training rank lives on
+    open(os.path.join(out, "go"), "w").close()
+    results = _results(cluster, out, 1)
+    _check_every_sample_once(results, crcs, 3)
+    for epoch in (2, 3):
+        assert max(r["epochs"][epoch - 1]["longest_wait_s"] for r in results) < 2.0
+    node1_share = results[1]["cached_bytes"]
+    for epoch in (2, 3):  # what server 1 would have served comes from storage, nothing more
+        assert 0 < _epoch_sum(results, epoch, "storage_bytes") <= node1_share
+    log = cluster.log(0)
+    assert log.count("server 1 (") == 1 and "is down" in log  # said once, by the worker that found it
+    assert results[1]["stats"][2]["peer_hits"] > 0  # server 1's rank still reads from server 0
+
+
+@pytest.mark.parametrize("gone", ["killed", "cut off"])
+def test_a_whole_server_gone_mid_epoch_leaves_the_others_every_sample_in_time(make_cluster, dataset, tmp_path, gone):
+    """Server 1's every process SIGKILLed (its port refuses at once), or its network cut (nothing answers:
+    the client's timeout decides)."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    if gone == "cut off" and cluster.mode != "netns":
+        pytest.skip(f"cutting a server off needs network namespaces ({cluster.why})")
+    _run(cluster, root, out, epochs=3, cache_bytes=sum(sizes), nproc=1, extra=["--pause", "2:1", "--batch-size", "4"],
+         wait=False)
+    _wait_paused(out, [0, 1])
+    if gone == "killed":
+        cluster.kill(1)
+    else:
+        assert cluster.exec(1, ["ip", "link", "set", "eth0", "down"]).wait(10) == 0
+    open(os.path.join(out, "go"), "w").close()
+    # torchrun's agent on server 0 would wait for server 1 at its exit barrier: read the rank's results instead
+    path, deadline = os.path.join(out, "rank0.json"), time.monotonic() + 120
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, cluster.log(0)[-3000:]
+        time.sleep(0.2)
+    survivor = json.load(open(path))
+    shard = _ShardOf(len(crcs))
+    for epoch in (1, 2, 3):
+        samples = survivor["epochs"][epoch - 1]["samples"]
+        assert sorted(i for i, _ in samples) == sorted(shard(epoch, rank=0, world=2))
+        assert all(crcs[i] == c for i, c in samples)
+    assert max(survivor["epochs"][e]["longest_wait_s"] for e in (1, 2)) < 2.0
+
+
+class _ShardOf:
+    def __init__(self, n: int):
+        self.data = list(range(n))
+
+    def __call__(self, epoch: int, rank: int, world: int) -> list[int]:
+        sampler = DistributedSampler(self.data, num_replicas=world, rank=rank, shuffle=True, seed=5)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+
+_CLIENT = r"""
+import socket, sys, time, json
+from coordl import _peer_wire as wire
+host, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+result = {}
+conn = socket.create_connection((host, port), timeout=5)
+try:
+    wire.client_handshake(conn, secret, time.monotonic() + 5)
+    conn.sendall(wire.encode_request(list(range(int(sys.argv[4])))))
+    result["items"] = {i: __import__("zlib").crc32(d) for i, d in wire.read_reply(conn, list(range(int(sys.argv[4]))),
+                                                                                time.monotonic() + 5) if d is not None}
+except (OSError, wire.PeerProtocolError) as e:
+    result["refused"] = type(e).__name__
+print(json.dumps(result))
+"""
+
+
+def test_a_client_from_another_server_without_the_secret_gets_nothing(make_cluster, dataset, tmp_path):
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    _run(cluster, root, out, epochs=2, cache_bytes=sum(sizes), nproc=1, extra=["--pause", "2:1"], wait=False)
+    paused = _wait_paused(out, [0, 1])
+    host, port = paused[0]["address"]
+    if cluster.mode == "netns":
+        assert host == cluster.addresses[0]  # bound to the interface torch.distributed uses, not 0.0.0.0
+        with pytest.raises(OSError):  # and not on loopback
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    answers = {}
+    for secret in ("wrong", SECRET):
+        client = cluster.exec(1, [sys.executable, "-c", _CLIENT, host, str(port), secret, str(len(crcs))],
+                              stdout=-1, text=True)
+        answers[secret] = json.loads(client.communicate(timeout=60)[0])
+    open(os.path.join(out, "go"), "w").close()
+    _results(cluster, out, 1)
+    assert "refused" in answers["wrong"] and "items" not in answers["wrong"]
+    served = {int(i): c for i, c in answers[SECRET]["items"].items()}
+    assert len(served) > 0 and all(crcs[i] == c for i, c in served.items())
+
+
+def test_the_dali_backend_reads_through_the_peers(make_cluster, source_root, tmp_path):
+    pytest.importorskip("nvidia.dali")
+    cluster = make_cluster(2)
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(source_root) for f in fs)
+    results = _run(cluster, source_root, str(tmp_path / "out"), epochs=2, cache_bytes=total, nproc=1,
+                   extra=["--backend", "dali"])
+    assert _epoch_sum(results, 2, "storage_bytes") == 0
+    assert _epoch_sum(results, 2, "peer_hits") > 0
+    assert _epoch_sum(results, 2, "hits") + _epoch_sum(results, 2, "peer_hits") == N_FILES
+
