@@ -7,7 +7,9 @@ falling back to storage: with aggregate cache >= dataset, storage is read once p
 NOTE [ Ownership ]
 Epoch 1 fills each server's cache with what its ranks fetched, as on one server. At the start of every
 later epoch, until the map is final, the servers exchange what they hold through torch.distributed's
-store (torchrun's rendezvous ``TCPStore``, keys under ``coordl/<run id>/<restart>/loader<k>/``):
+store (torchrun's rendezvous ``TCPStore``, keys under ``coordl/<run id>/<restart>/<dataset>/<k>/``, where
+``<dataset>`` is the number of items and a digest of the class folders and names of 1024 sampled files,
+the same for every server's copy of the dataset, and ``<k>`` counts this process's loaders of it):
   * every rank sets ``e<epoch>/ready/<node>/<local rank>``: its previous epoch is over, so its inserts are in;
   * each node's local rank 0 waits for its node's ranks, then sets ``e<epoch>/map/<node>``: whether its
     cache is frozen, and zlib of its cache's ready bitmap (1 bit per item);
@@ -68,9 +70,10 @@ PORT_ENV = "COORDL_PEER_PORT"
 TIMEOUT_ENV = "COORDL_PEER_TIMEOUT_S"
 PEER_TIMEOUT_S = 1.0
 """Default connect and inactivity timeout of a peer request (``COORDL_PEER_TIMEOUT_S``)."""
-EXCHANGE_TIMEOUT_S = 300.0
-"""How long an epoch start waits for a live server's map (servers finish epochs together in DDP); a server
-found down in the last epoch, or whose peer server refuses connections, is not waited for."""
+EXCHANGE_ENV = "COORDL_PEER_EXCHANGE_S"
+EXCHANGE_TIMEOUT_S = 60.0
+"""Default of how long, in all, an epoch start waits for the servers' maps (``COORDL_PEER_EXCHANGE_S``;
+servers start epochs together in DDP); a server whose peer server refuses connections is not waited for."""
 CLOSE_WAIT_S = 10.0
 """How long a closing peer server keeps serving for the other servers' ranks still loading."""
 _MAX_NODES = 4096
@@ -78,8 +81,17 @@ _ADDR_BYTES = 64
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 (_ITEMS, _BYTES, _REQUESTS, _WAIT_NS) = range(4)
 PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns")
-_loaders_built = 0
+_loaders_built: dict[str, int] = {}  # per dataset: partitioned loaders this process built
 _built_lock = threading.Lock()
+_threads_lock = threading.Lock()
+
+
+def _reset_threads_lock() -> None:
+    global _threads_lock
+    _threads_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_threads_lock)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,13 +215,14 @@ def _store(topology: Topology, prefix: str):
     return dist.PrefixStore(prefix, store)
 
 
-def _timeout_s() -> float:
+def _seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name``."""
     try:
-        value = float(os.environ.get(TIMEOUT_ENV, PEER_TIMEOUT_S))
+        value = float(os.environ.get(name, default))
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} should be a number of seconds, but got {os.environ[TIMEOUT_ENV]!r}") from None
+        raise ValueError(f"{name} should be a number of seconds, but got {os.environ[name]!r}") from None
     if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} should be positive, but got {value}")
+        raise ValueError(f"{name} should be positive, but got {value}")
     return value
 
 
@@ -228,29 +241,31 @@ class PeerTier:
     """
 
     def __init__(self, topology: Topology, cache, source, storage, processes: int):
-        global _loaders_built
+        dataset = f"{len(source)}-{_names_digest(source)}"
         with _built_lock:
-            ordinal, _loaders_built = _loaders_built, _loaders_built + 1
+            ordinal = _loaders_built.get(dataset, 0)
+            _loaders_built[dataset] = ordinal + 1
         self.topology, self.n_items = topology, len(source)
-        self.prefix = f"coordl/{topology.run}/loader{ordinal}/"
+        self.prefix = f"coordl/{topology.run}/{dataset}/{ordinal}/"
         self.state = PeerState(self.n_items, topology.nodes, processes)
-        self.timeout_s = _timeout_s()
+        self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
         self._store = _store(topology, self.prefix)
         self.secret = self._secret()
         self._cache, self._server = cache, None
         self._maps_known = 0  # the last epoch begun
-        self._conns: dict[int, socket.socket] = {}
-        self._conn_pid = os.getpid()
-        self._names = _names_digest(source)
+        self._absent: set[int] = set()  # servers missing from the last map: not waited for again
+        self._said_missing: tuple = ()
+        self.exchange_s = _seconds(EXCHANGE_ENV, EXCHANGE_TIMEOUT_S)
+        self._threads = None  # (pid, threading.local, every thread's connections): see _connections
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
-            self._server = _start_server(cache, source, storage, self.secret, topology, ordinal)
+            self._server = _start_server(cache, source, storage, self.secret, topology, sum(_loaders_built.values()) - 1)
             host, port = self._server.address
-            self._store.set(f"addr/{topology.node}", f"{host}:{port}|{self.n_items}|{self._names}")
+            self._store.set(f"addr/{topology.node}", f"{host}:{port}")
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_store=None, _server=None, _cache=None, _conns={}, _conn_pid=None)
+        state.update(_store=None, _server=None, _cache=None, _threads=None)
         return state
 
     def _secret(self) -> bytes:
@@ -263,7 +278,9 @@ class PeerTier:
 
     def begin_epoch(self, epoch: int) -> None:
         """The rank starts ``epoch`` (1-based): from epoch 2 on, until the map is final, exchange what every
-        server's cache holds and publish the new map to this rank's workers."""
+        server's cache holds and publish the new map to this rank's workers (see NOTE [ Ownership ]). Waits
+        at most ``COORDL_PEER_EXCHANGE_S`` in all; a server that has not reported by then (it does not
+        iterate this loader, or is gone) holds nothing in this epoch's map and is not waited for again."""
         if self._store is None or epoch <= self._maps_known:
             return
         self._maps_known = epoch
@@ -271,27 +288,40 @@ class PeerTier:
         if epoch < 2 or self.state.meta[1]:
             return
         t, store = self.topology, self._store
+        deadline = time.monotonic() + self.exchange_s
         store.set(f"e{epoch}/ready/{t.node}/{t.local_rank}", "1")
         if t.local_rank == 0:
-            self._wait([f"e{epoch}/ready/{t.node}/{r}" for r in range(t.local_world)],
-                       f"the other ranks of server {t.node}")
+            self._wait([f"e{epoch}/ready/{t.node}/{r}" for r in range(t.local_world)], deadline)
             cache = self._cache
             store.set(f"e{epoch}/map/{t.node}", encode_map(cache.ready_mask(), cache.stats().frozen))
         maps, frozen = [], []
         for node in range(t.nodes):
-            if node != t.node and self.state.address(node) is None:
-                self._learn_address(node)
+            until = 0.0 if node in self._absent else deadline  # 0: look, don't wait
             key = f"e{epoch}/map/{node}"
-            if not self._live(node) or not self._wait([key], f"server {node}'s cache map"):
-                maps.append(None)  # a server that is gone: its items come from storage this epoch
+            if node != t.node and (not self._learn_address(node, until) or not self._live(node)):
+                available = False
+            else:
+                available = self._wait([key], until)
+            if not available:
+                maps.append(None)  # its items come from storage this epoch
                 frozen.append(False)
+                self._absent.add(node)
                 continue
+            self._absent.discard(node)
             ready, is_frozen = decode_map(store.get(key), self.n_items)
             maps.append(ready)
             frozen.append(is_frozen)
+        missing = [n for n, m in enumerate(maps) if m is None]
+        if missing and tuple(missing) != self._said_missing:
+            self._said_missing = tuple(missing)
+            logger.warning("coordl partitioned caching, epoch %d: server(s) %s did not report their cache within "
+                           "%.0f s (%s), so their items come from storage; each epoch looks again without waiting. "
+                           "A loader that only some servers iterate (or whose dataset differs between servers: it "
+                           "must be the same files in the same order) should be built with partitioned=False.", epoch,
+                           ", ".join(map(str, missing)), self.exchange_s, EXCHANGE_ENV)
         owner = owners_of(maps)
         self.state.owner.copy_(torch.from_numpy(owner))
-        final = all(m is not None for m in maps) and (bool((owner >= 0).all()) or all(frozen))
+        final = not missing and (bool((owner >= 0).all()) or all(frozen))
         self.state.meta[0] += 1
         self.state.meta[1] = int(final)
         held = np.bincount(owner[owner >= 0], minlength=t.nodes)
@@ -300,13 +330,15 @@ class PeerTier:
                                                                              enumerate(held)),
                     "; the map is final" if final else "")
 
-    def _wait(self, keys: list[str], what: str, timeout: float = EXCHANGE_TIMEOUT_S) -> bool:
+    def _wait(self, keys: list[str], deadline: float) -> bool:
+        """Whether ``keys`` are all in the store by ``deadline`` (a ``time.monotonic()``; past: look only)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return self._store.check(keys)
         try:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout))
+            self._store.wait(keys, datetime.timedelta(seconds=left))
             return True
-        except Exception as e:  # torch raises DistStoreError (a RuntimeError) on a timeout
-            logger.warning("coordl partitioned caching: gave up waiting for %s after %.0f s (%s); its items come "
-                           "from storage this epoch", what, timeout, e)
+        except Exception:  # torch raises DistStoreError (a RuntimeError) on a timeout
             return False
 
     def _live(self, node: int) -> bool:
@@ -328,15 +360,15 @@ class PeerTier:
         except OSError:
             return False
 
-    def _learn_address(self, node: int) -> None:
-        if not self._wait([f"addr/{node}"], f"server {node}'s address"):
-            return
-        address, n_items, names = bytes(self._store.get(f"addr/{node}")).decode().split("|")
-        if int(n_items) != self.n_items or names != self._names:
-            raise RuntimeError(f"coordl partitioned caching: server {node}'s dataset ({n_items} items) is not this "
-                               f"server's ({self.n_items} items, or other file names): every server must load the "
-                               "same dataset in the same order (or pass partitioned=False)")
+    def _learn_address(self, node: int, deadline: float) -> bool:
+        """Whether ``node``'s address is known (learnt from the store by ``deadline``)."""
+        if self.state.address(node) is not None:
+            return True
+        if not self._wait([f"addr/{node}"], deadline):
+            return False
+        address = bytes(self._store.get(f"addr/{node}")).decode()
         self.state.set_address(node, address)
+        return True
 
     # -- any process: the read path ------------------------------------------------------------------------
 
@@ -364,10 +396,21 @@ class PeerTier:
             pending.asked.update(ids)
         return pending
 
+    def _connections(self) -> dict[int, socket.socket]:
+        """This thread's connections to the peers, by server: a socket is never shared by threads (the DALI
+        backend fetches from several) nor inherited over fork."""
+        with _threads_lock:
+            if self._threads is None or self._threads[0] != os.getpid():
+                self._threads = (os.getpid(), threading.local(), [])
+            local = self._threads[1]
+            if not hasattr(local, "conns"):
+                local.conns = {}
+                self._threads[2].append(local.conns)
+            return local.conns
+
     def _connection(self, node: int) -> socket.socket:
-        if self._conn_pid != os.getpid():  # inherited over fork: the parent's sockets are not ours
-            self._conns, self._conn_pid = {}, os.getpid()
-        conn = self._conns.get(node)
+        conns = self._connections()
+        conn = conns.get(node)
         if conn is None:
             address = self.state.address(node)
             if address is None:
@@ -380,11 +423,11 @@ class PeerTier:
                 conn.close()
                 raise
             conn.settimeout(self.timeout_s)
-            self._conns[node] = conn
+            conns[node] = conn
         return conn
 
     def _mark_down(self, node: int, error: BaseException) -> None:
-        conn = self._conns.pop(node, None)
+        conn = self._connections().pop(node, None)
         if conn is not None:
             conn.close()
         if not self.state.down[node]:
@@ -426,9 +469,12 @@ class PeerTier:
         """Close this process's connections; in the training process, say that this rank is done, and, where
         this rank runs the node's peer server, keep serving until every rank of the other live servers is done
         too (at most ``CLOSE_WAIT_S``), then stop it."""
-        for conn in self._conns.values():
-            conn.close()
-        self._conns = {}
+        threads = self._threads
+        if threads is not None and threads[0] == os.getpid():
+            for conns in threads[2]:
+                for conn in conns.values():
+                    conn.close()
+                conns.clear()
         t, store = self.topology, self._store
         if store is None:
             return
@@ -460,7 +506,7 @@ class PendingFetch:
         for node, ids in self.sent.items():
             received = 0
             try:
-                conn = tier._conns[node]
+                conn = tier._connections()[node]
                 for start in range(0, len(ids), wire.MAX_IDS):
                     for index, data in wire.read_reply(conn, ids[start:start + wire.MAX_IDS], None):
                         if data is not None:

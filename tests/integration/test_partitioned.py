@@ -19,7 +19,7 @@ from tests.cluster import make_cluster  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_partitioned_job.py")
+JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks", "partitioned_job.py")
 N_FILES = 96
 SECRET = "known-to-this-test"
 
@@ -199,6 +199,27 @@ class _ShardOf:
         return list(sampler)
 
 
+def test_a_server_that_stops_iterating_delays_one_epoch_start_by_the_exchange_limit_only(make_cluster, dataset,
+                                                                                         tmp_path):
+    """Server 1 iterates only epoch 1 (as a loader only some ranks run): server 0 waits for its map once, for
+    COORDL_PEER_EXCHANGE_S, says so once, and reads server 1's items from storage from then on."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    os.makedirs(out)
+    cluster.launch_all(JOB, ["--root", root, "--out", out, "--epochs", "4", "--cache-bytes", sum(sizes),
+                             "--idle-after", "1:1"], env={"COORDL_LOG_LEVEL": "INFO", "COORDL_PEER_EXCHANGE_S": "3"})
+    server0, server1 = _results(cluster, out, 1)
+    shard = _ShardOf(len(crcs))
+    for epoch in (1, 2, 3, 4):
+        assert sorted(i for i, _ in server0["epochs"][epoch - 1]["samples"]) == sorted(shard(epoch, rank=0, world=2))
+    waits = [e["longest_wait_s"] for e in server0["epochs"]]
+    assert 2.5 < waits[1] < 10 and waits[2] < 2 and waits[3] < 2, waits
+    assert server0["stats"][2]["peer_hits"] == 0 and server0["stats"][2]["storage_bytes"] > 0
+    assert cluster.log(0).count("did not report their cache") == 1
+    assert len(server1["epochs"]) == 1
+
+
 _CLIENT = r"""
 import socket, sys, time, json
 from coordl import _peer_wire as wire
@@ -244,7 +265,7 @@ def test_the_dali_backend_reads_through_the_peers(make_cluster, source_root, tmp
     cluster = make_cluster(2)
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(source_root) for f in fs)
     results = _run(cluster, source_root, str(tmp_path / "out"), epochs=2, cache_bytes=total, nproc=1,
-                   extra=["--backend", "dali"])
+                   extra=["--backend", "dali", "--workers", "2"])  # two fetch threads share the tier
     assert _epoch_sum(results, 2, "storage_bytes") == 0
     assert _epoch_sum(results, 2, "peer_hits") > 0
     assert _epoch_sum(results, 2, "hits") + _epoch_sum(results, 2, "peer_hits") == N_FILES

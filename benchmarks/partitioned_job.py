@@ -1,4 +1,5 @@
-"""One rank of a data-parallel job for the partitioned-caching tests (run by torchrun, or with its environment).
+"""One rank of a data-parallel job over partitioned caches, for ``benchmarks.partitioned`` and the tests
+(run by torchrun).
 
 Loads a folder of files through ``coordl.DataLoader`` with a ``DistributedSampler`` and records, per
 epoch, every index it was given with a crc32 of the bytes it was decoded from (``--backend dali``: an
@@ -6,7 +7,10 @@ ImageFolder through the DALI backend, batches only), the longest wait for a batc
 statistics and a digest of its ownership map, in ``OUT/rank<RANK>.json``. ``--pause EPOCH:BATCH`` stops
 the rank after that many batches of that epoch, writes ``OUT/paused-rank<RANK>`` (holding the pid and
 address of the node's peer server, on local rank 0), and waits for ``OUT/go`` (so a test can kill a peer
-at a known point).
+at a known point; the pause is not counted in the epoch's time). ``--sync`` all-reduces after every step
+as DDP does, ``--step-s`` sleeps for a training step, ``--device MAJ:MIN`` records the bytes this rank's
+cgroup read from that device per epoch, ``--warm-all`` first reads the whole dataset into this server's
+cache (the full-local reference), ``--idle-after NODE:EPOCHS`` has a server stop iterating early.
 """
 
 import argparse
@@ -16,6 +20,8 @@ import os
 import time
 import zlib
 
+import torch
+import torch.distributed as dist
 import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
 
@@ -42,6 +48,16 @@ class Files(torch.utils.data.Dataset):
             return self.decode_raw(index, f.read())
 
 
+def cgroup_read_bytes(device: str | None) -> int:
+    """Bytes this process's blkio cgroup read from ``device`` (``MAJ:MIN``); 0 without one."""
+    if device is None:
+        return 0
+    with open("/proc/self/cgroup") as f:
+        path = next(line.split(":", 2)[2].strip() for line in f if ":blkio:" in line)
+    with open(f"/sys/fs/cgroup/blkio{path}/blkio.throttle.io_service_bytes") as f:
+        return sum(int(w[2]) for w in (line.split() for line in f) if len(w) == 3 and w[0] == device and w[1] == "Read")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
@@ -54,6 +70,11 @@ def main() -> None:
     parser.add_argument("--pause", default=None, help="EPOCH:BATCH")
     parser.add_argument("--step-s", type=float, default=0.0, help="a training step's time")
     parser.add_argument("--backend", default="torch", choices=("torch", "dali"))
+    parser.add_argument("--sync", action="store_true", help="all-reduce after every step, as DDP")
+    parser.add_argument("--device", default=None, help="MAJ:MIN whose reads this rank's cgroup counts")
+    parser.add_argument("--warm-all", action="store_true", help="read every sample into the cache first")
+    parser.add_argument("--idle-after", default=None, help="NODE:EPOCHS: that server's ranks stop iterating after "
+                        "EPOCHS epochs and keep their loader until rank 0 has iterated all of its epochs")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.backend == "dali":
@@ -68,40 +89,62 @@ def main() -> None:
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                                cache_bytes=cache_bytes, partitioned=partitioned, backend=args.backend)
     peers = loader.dataset.peers
+    if args.sync:
+        dist.init_process_group("gloo")
+    if args.warm_all:
+        for _ in coordl.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
+                                   cache_bytes=cache_bytes, partitioned=False):
+            pass
+    node = int(os.environ.get("GROUP_RANK", rank))
+    idle = tuple(int(v) for v in args.idle_after.split(":")) if args.idle_after else None
     epochs = []
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(1, (idle[1] if idle and idle[0] == node else args.epochs) + 1):
         sampler.set_epoch(epoch)
-        samples, longest = [], 0.0
-        it = iter(loader)
+        samples, longest, paused_s = [], 0.0, 0.0
+        device_before, epoch_started = cgroup_read_bytes(args.device), time.monotonic()
+        it = iter(loader)  # with workers, torch starts the epoch (and its first fetches) here
         batch_no = 0
+        started = epoch_started
         while True:
-            started = time.monotonic()
             try:
                 first, second = next(it)
             except StopIteration:
                 break
-            longest = max(longest, time.monotonic() - started)
+            longest = max(longest, time.monotonic() - started)  # the first wait includes iter()
             batch_no += 1
             if args.backend == "torch":  # (indices, crcs)
                 samples += [[int(i), int(c)] for i, c in zip(first, second)]
             if args.step_s:
                 time.sleep(args.step_s)
+            if args.sync:
+                dist.all_reduce(torch.zeros(1))
             if pause == (epoch, batch_no):
+                pause_started = time.monotonic()
                 server = peers._server if peers is not None else None
                 with open(os.path.join(args.out, f"paused-rank{rank}"), "w") as f:
                     json.dump({"server_pid": server.proc.pid, "address": list(server.address)} if server else {}, f)
                 while not os.path.exists(os.path.join(args.out, "go")):
                     time.sleep(0.05)
-        epochs.append({"epoch": epoch, "samples": samples, "longest_wait_s": longest})
+                paused_s = time.monotonic() - pause_started
+            started = time.monotonic()
+        epochs.append({"epoch": epoch, "samples": samples, "longest_wait_s": longest,
+                       "time_s": time.monotonic() - epoch_started - paused_s,
+                       "device_read_bytes": cgroup_read_bytes(args.device) - device_before})
+    open(os.path.join(args.out, f"iterated-rank{rank}"), "w").close()
+    if idle and idle[0] == node:
+        while not os.path.exists(os.path.join(args.out, "iterated-rank0")):
+            time.sleep(0.1)
     stats = loader.stats()
     cache = stats.cache
-    result = {"rank": rank, "node": int(os.environ.get("GROUP_RANK", rank)), "epochs": epochs,
+    result = {"rank": rank, "node": node, "epochs": epochs,
               "stats": [e.__dict__ for e in stats.epochs], "peers": stats.peers,
               "partition": list(cache.partition) if cache is not None and cache.partition else None,
               "cached_items": cache.items_cached if cache is not None else 0,
               "cached_bytes": cache.bytes_cached if cache is not None else 0,
               "owner_digest": hashlib.sha256(peers.state.owner.numpy().tobytes()).hexdigest() if peers else None}
     loader.close()
+    if args.sync:
+        dist.destroy_process_group()
     path = os.path.join(args.out, f"rank{rank}.json")
     with open(path + ".part", "w") as f:
         json.dump(result, f)
