@@ -12,6 +12,9 @@ and 100% of the dataset:
   (a server's cache is the aggregate / N, plus the largest item at 100%: see :func:`cache_bytes`)
 * ``full-local`` (reference): every server holds the whole dataset in its own cache (read once before
   the measured epochs).
+* ``locality``: ``partitioned`` at 100% with ``locality_aware=True`` (each rank takes the samples its
+  server caches, balanced: peer traffic is beta = sqrt((1 - 1/p) / (2 pi b)) of the dataset per epoch,
+  ``beta`` in the summary);
 * ``peer-death``: ``partitioned`` at 100%, and server 1's peer server SIGKILLed after the first batch of
   epoch 3 (its training rank lives on).
 
@@ -32,12 +35,13 @@ import sys
 import time
 
 from benchmarks import report
+from benchmarks.locality import closed_form
 from benchmarks.metrics import spread
 from benchmarks.storage_env import FS_BLOCK, Cleanup, copy_to_loop_disk, evict_files
 from coordl._constants import SHM_DIR_ENV
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "partitioned_job.py")
-MODES = ("full-local", "uncoordinated", "partitioned", "peer-death")
+MODES = ("full-local", "uncoordinated", "partitioned", "locality", "peer-death")
 FILE_BYTES = 100_000
 
 
@@ -60,7 +64,8 @@ def plan(nodes: int, reps: int, modes) -> list[dict]:
     """Every run of ``modes``, repetitions interleaved (and rotated, so no mode always runs first)."""
     points = [{"mode": "full-local", "aggregate_cache_fraction": float(nodes)}]
     points += [{"mode": m, "aggregate_cache_fraction": f} for f in (0.5, 1.0) for m in ("uncoordinated", "partitioned")]
-    points.append({"mode": "peer-death", "aggregate_cache_fraction": 1.0})
+    points += [{"mode": "locality", "aggregate_cache_fraction": 1.0},
+               {"mode": "peer-death", "aggregate_cache_fraction": 1.0}]
     points = [p for p in points if p["mode"] in modes]
     runs = []
     for rep in range(reps):
@@ -92,6 +97,8 @@ def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir
         job.append("--warm-all")
     if point["mode"] == "peer-death":
         job += ["--pause", "3:1"]
+    if point["mode"] == "locality":
+        job.append("--locality")
     with Cluster(nodes, os.path.join(workdir, "cluster"), device=device, read_bps=args.read_mbps * 10**6,
                  shm_bytes=2 * cache + 64 * 2**20, isolation="netns") as cluster:
         cluster.launch_all(JOB, job, env={"COORDL_PEER_SECRET": secrets.token_hex(16)})
@@ -104,9 +111,8 @@ def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir
         left = {n: cluster.shm_left(n) for n in range(nodes) if cluster.shm_left(n)}
     servers = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(nodes)]
     for s in servers:
-        del s["epochs"][0]["samples"]  # the indices: large, and checked by the tests, not here
-        for e in s["epochs"][1:]:
-            del e["samples"]
+        for e in s["epochs"]:
+            del e["samples"], e["batches"]  # the indices: large, and checked by the tests, not here
     epochs = []
     for e in range(args.epochs):
         stats = [s["stats"][e] for s in servers]
@@ -116,7 +122,7 @@ def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir
                        "peer_bytes": sum(st["peer_bytes"] for st in stats),
                        "stall_s": max(st["stall_s"] for st in stats),
                        "longest_wait_s": max(s["epochs"][e]["longest_wait_s"] for s in servers)})
-    return {**point, "epochs": epochs, "killed_peer_server": killed, "shm_left": left,
+    return {**point, "batch_size": args.batch_size, "epochs": epochs, "killed_peer_server": killed, "shm_left": left,
             "servers": [{"node": s["node"], "cached_bytes": s["cached_bytes"], "peers": s["peers"],
                          "epochs": [{**x, **{k: st[k] for k in ("storage_bytes", "peer_bytes", "stall_s", "hits",
                                                                   "misses", "peer_hits")}}
@@ -152,14 +158,16 @@ def summarize(runs: list[dict], dataset_bytes: int) -> list[dict]:
                      "later_storage_fraction": spread([e["storage_bytes"] / dataset_bytes for e in later]),
                      "later_peer_fraction": spread([e["peer_bytes"] / dataset_bytes for e in later]),
                      "steady_epoch_s": spread(steady),
-                     "longest_wait_s": spread([max(e["longest_wait_s"] for e in r["epochs"][1:]) for r in same])})
+                     "longest_wait_s": spread([max(e["longest_wait_s"] for e in r["epochs"][1:]) for r in same]),
+                     "beta": closed_form(same[0]["nodes"], same[0]["batch_size"])
+                     if key[0] == "locality" else None})
     reference = next((r["steady_epoch_s"]["median"] for r in rows if r["mode"] == "full-local"), None)
     for row in rows:
         row["vs_full_local"] = row["steady_epoch_s"]["median"] / reference if reference else None
         other = next((r for r in rows if r["mode"] == "uncoordinated" and
                       r["aggregate_cache_fraction"] == row["aggregate_cache_fraction"]), None)
         row["speedup_vs_uncoordinated"] = other["steady_epoch_s"]["median"] / row["steady_epoch_s"]["median"] \
-            if other and row["mode"] in ("partitioned", "peer-death") else None
+            if other and row["mode"] in ("partitioned", "locality", "peer-death") else None
     return rows
 
 
@@ -171,6 +179,7 @@ def markdown(rows: list[dict], setup: dict) -> str:
              "| mode | aggregate cache | epoch 1 device / D | later epochs device / D | later epochs coordl storage / D "
              "| later peer / D | steady epoch s | × full-local | × faster than uncoordinated | longest wait s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    beta = ""
     for r in rows:
         ratio = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(f"| {r['mode']} | {r['aggregate_cache_fraction']:.0%} | "
@@ -180,7 +189,10 @@ def markdown(rows: list[dict], setup: dict) -> str:
                      f"{report.spread_text(r['later_peer_fraction'], '.3f')} | "
                      f"{report.spread_text(r['steady_epoch_s'])} | {ratio(r['vs_full_local'])} | "
                      f"{ratio(r['speedup_vs_uncoordinated'])} | {report.spread_text(r['longest_wait_s'])} |")
-    return "\n".join(lines) + "\n"
+        if r["beta"] is not None:
+            beta = (f"\nlocality: peer bytes per later epoch {r['later_peer_fraction']['median']:.4f} D against "
+                    f"beta = sqrt((1 - 1/p) / (2 pi b)) = {r['beta']:.4f} D (p = {c['nodes']}, b = {c['batch_size']})\n")
+    return "\n".join(lines) + "\n" + beta
 
 
 def plot(runs: list[dict], dataset_bytes: int, path: str) -> str | None:

@@ -10,7 +10,8 @@ address of the node's peer server, on local rank 0), and waits for ``OUT/go`` (s
 at a known point; the pause is not counted in the epoch's time). ``--sync`` all-reduces after every step
 as DDP does, ``--step-s`` sleeps for a training step, ``--device MAJ:MIN`` records the bytes this rank's
 cgroup read from that device per epoch, ``--warm-all`` first reads the whole dataset into this server's
-cache (the full-local reference), ``--idle-after NODE:EPOCHS`` has a server stop iterating early.
+cache (the full-local reference), ``--idle-after NODE:EPOCHS`` has a server stop iterating early,
+``--locality`` turns on locality-aware batches.
 """
 
 import argparse
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="all-reduce after every step, as DDP")
     parser.add_argument("--device", default=None, help="MAJ:MIN whose reads this rank's cgroup counts")
     parser.add_argument("--warm-all", action="store_true", help="read every sample into the cache first")
+    parser.add_argument("--locality", action="store_true", help="locality_aware=True")
     parser.add_argument("--idle-after", default=None, help="NODE:EPOCHS: that server's ranks stop iterating after "
                         "EPOCHS epochs and keep their loader until rank 0 has iterated all of its epochs")
     args = parser.parse_args()
@@ -87,7 +89,8 @@ def main() -> None:
     partitioned = {"auto": "auto", "true": True, "false": False}[args.partitioned]
     pause = tuple(int(v) for v in args.pause.split(":")) if args.pause else None
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                               cache_bytes=cache_bytes, partitioned=partitioned, backend=args.backend)
+                               cache_bytes=cache_bytes, partitioned=partitioned, backend=args.backend,
+                               locality_aware=args.locality)
     peers = loader.dataset.peers
     if args.sync:
         dist.init_process_group("gloo")
@@ -100,7 +103,7 @@ def main() -> None:
     epochs = []
     for epoch in range(1, (idle[1] if idle and idle[0] == node else args.epochs) + 1):
         sampler.set_epoch(epoch)
-        samples, longest, paused_s = [], 0.0, 0.0
+        samples, batches, longest, paused_s = [], [], 0.0, 0.0
         device_before, epoch_started = cgroup_read_bytes(args.device), time.monotonic()
         it = iter(loader)  # with workers, torch starts the epoch (and its first fetches) here
         batch_no = 0
@@ -114,6 +117,7 @@ def main() -> None:
             batch_no += 1
             if args.backend == "torch":  # (indices, crcs)
                 samples += [[int(i), int(c)] for i, c in zip(first, second)]
+                batches.append([int(i) for i in first])
             if args.step_s:
                 time.sleep(args.step_s)
             if args.sync:
@@ -127,7 +131,7 @@ def main() -> None:
                     time.sleep(0.05)
                 paused_s = time.monotonic() - pause_started
             started = time.monotonic()
-        epochs.append({"epoch": epoch, "samples": samples, "longest_wait_s": longest,
+        epochs.append({"epoch": epoch, "samples": samples, "batches": batches, "longest_wait_s": longest,
                        "time_s": time.monotonic() - epoch_started - paused_s,
                        "device_read_bytes": cgroup_read_bytes(args.device) - device_before})
     open(os.path.join(args.out, f"iterated-rank{rank}"), "w").close()

@@ -146,6 +146,12 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
     def __len__(self) -> int:
         return len(self.batches) if self.batches is not None else super().__len__()
 
+    @property
+    def moved(self) -> int:
+        """Locality-aware batches (``locality.LocalityPlan``): samples of another server's cache that balancing
+        gave this rank in the latest pass; else 0."""
+        return getattr(self.batches, "moved", 0)
+
     def rng_sources(self) -> resume_state.RngSources:
         return resume_state.RngSources(self.generator, self.sampler, self.batches, getattr(self.batches, "sampler", None))
 

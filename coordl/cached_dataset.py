@@ -166,9 +166,14 @@ class CachedDataset(torch.utils.data.Dataset):
             return raws
         pending = self.peers.request([indices[k] for k in misses]) if self.peers is not None else None
         asked = pending.asked if pending is not None else ()
-        for k in misses:
-            if indices[k] not in asked:
-                raws[k] = self._from_storage(indices[k], row)
+        try:
+            for k in misses:
+                if indices[k] not in asked:
+                    raws[k] = self._from_storage(indices[k], row)
+        except BaseException:
+            if asked:
+                pending.abandon()
+            raise
         if asked:
             delivered = pending.collect()
             for k in misses:

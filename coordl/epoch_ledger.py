@@ -139,6 +139,7 @@ class EpochLedger:
         else:  # a dataset coordl does not wrap: what was handed to torch
             epoch.samples = running.yielded
         epoch.decoded = epoch.samples
+        epoch.moved = getattr(getattr(running.owner, "sampler", None), "moved", 0)  # locality-aware batches
         group = running.group
         if group is not None:
             epoch.members, epoch.samples = group.members, group.delivered_samples

@@ -28,6 +28,7 @@ from coordl.batch_sampler import EpochBatchSampler, EpochSampler
 from coordl.cache_setup import CACHE_VERIFY, wrap_dataset
 from coordl.cached_dataset import CachedDataset, PreparedCollate, SampleCounters
 from coordl.epoch_ledger import EpochLedger
+from coordl.locality import LocalityPlan, locality_plan
 from coordl.raw_datasets import raw_source
 from coordl.stats import LoaderStats
 
@@ -127,6 +128,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             storage (see :mod:`coordl.partitioned`). ``"auto"``: on when torch.distributed's
             environment shows several servers and the cache is on; ``True``: insist (fails without
             that environment or with ``cache_bytes=0``); ``False``: off. Defaults to ``"auto"``.
+        locality_aware: in a partitioned job with a ``DistributedSampler``, keep every global batch as the
+            sampler drew it but give each rank the samples its own server caches (balanced so each rank
+            still gets ``batch_size``), so little crosses the network (see :mod:`coordl.locality`). The
+            all-reduced gradient of each step is unchanged; what changes is which rank computes which
+            sample, so per-rank batch contents (and per-rank BatchNorm statistics) differ from torch's.
+            Defaults to False.
 
     ``state_dict()``/``load_state_dict()`` checkpoint the loader mid-epoch, as torchdata's
     ``StatefulDataLoader`` does (see README "Checkpointing mid-epoch" for what is and isn't restored).
@@ -146,9 +153,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  drop_page_cache=None, storage=None, progress=False, backend="torch",
                  dali_pipeline="image_classification", dali_device="cpu", dali_train=None, hp_group=None,
                  hp_group_size=None, hp_staging_bytes="auto", hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S,
-                 hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto"):
+                 hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto", locality_aware=False):
         configure_from_env()
-        if isinstance(batch_sampler, EpochBatchSampler) and batch_sampler.batches is None and sampler is None:
+        if isinstance(batch_sampler, EpochBatchSampler) and sampler is None and \
+                (batch_sampler.batches is None or isinstance(batch_sampler.batches, LocalityPlan)):
             # A framework re-created coordl's batch sampler around its own sampler (Lightning: a
             # DistributedSampler): what it stands for is a sampler and a batch size, as the user gave them.
             sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
@@ -175,7 +183,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             backend, dali_pipeline, dali_device, dali_train
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
-        self.hp_group_key, self.partitioned = hp_group_key, partitioned
+        self.hp_group_key, self.partitioned, self.locality_aware = hp_group_key, partitioned, locality_aware
         wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
                                decode=not use_dali, storage=storage, partitioned=partitioned)
@@ -204,10 +212,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         except BaseException:  # torch refused an argument: its error, with the cache given back now, not at gc
             _release(wrapped)
             raise
+        plan = None
+        if locality_aware:
+            try:
+                plan = locality_plan(self.sampler, self.batch_size, self.drop_last, getattr(wrapped, "peers", None),
+                                     batch_sampler is not None)
+            except BaseException:
+                _release(wrapped)
+                raise
         feed = self._feed(dali, staging_bytes, prep_options) if fed else None
         group = hp_group if getattr(feed, "group", None) is not None else None
         self._cache_stats = _cache_fill(wrapped)  # not a bound method: the ledger must not keep this loader alive
-        self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats))
+        self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats), plan)
 
     def _feed(self, dali, staging_bytes, prep_options: dict):
         """The feed of prepared batches: the group's (hp_group), else the DALI pipeline's."""
@@ -228,8 +244,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         from coordl.dali_pipeline import DaliFeed
         return DaliFeed(dali)
 
-    def _install(self, ledger: EpochLedger) -> None:
-        """Hand torch coordl's batch sampler (or sampler, unbatched) and, with a feed, collate function."""
+    def _install(self, ledger: EpochLedger, locality=None) -> None:
+        """Hand torch coordl's batch sampler (or sampler, unbatched) and, with a feed, collate function;
+        ``locality``: the locality-aware batches to draw instead of torch's (``locality.LocalityPlan``)."""
         self.epoch_ledger = ledger
         if ledger.feed is not None:
             self.dataset.feed = ledger
@@ -239,7 +256,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             object.__setattr__(self, "sampler", EpochSampler(self.sampler, ledger, generator=generator))
         elif isinstance(bs, torch.utils.data.BatchSampler) and type(bs) is torch.utils.data.BatchSampler:
             object.__setattr__(self, "batch_sampler", EpochBatchSampler(bs.sampler, bs.batch_size, bs.drop_last,
-                                                                        epochs=ledger, generator=generator))
+                                                                        epochs=ledger, generator=generator,
+                                                                        batches=locality))
         else:  # the user's own batch sampler: drawn as it is
             object.__setattr__(self, "batch_sampler", EpochBatchSampler(
                 getattr(bs, "sampler", self.sampler), getattr(bs, "batch_size", None),

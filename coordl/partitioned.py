@@ -237,7 +237,6 @@ class PeerTier:
         source, storage: the dataset's raw keys and where they are read (the peer server checks its
             items against their files as a local hit is checked).
         processes: rows of per-process counters (the loader's workers + 1).
-        sample_keys: a digest of the dataset's item names, compared across servers.
     """
 
     def __init__(self, topology: Topology, cache, source, storage, processes: int):
@@ -493,7 +492,8 @@ class PeerTier:
 
 
 class PendingFetch:
-    """Requests sent to peers for some misses of a minibatch: ``asked`` (the ids sent), ``collect()``."""
+    """Requests sent to peers for some misses of a minibatch: ``asked`` (the ids sent), then ``collect()`` or,
+    if the batch fails before, ``abandon()``."""
 
     def __init__(self, tier: PeerTier):
         self.tier, self.sent, self.asked = tier, {}, set()
@@ -519,6 +519,14 @@ class PendingFetch:
             row[node, _REQUESTS] += 1
             row[node, _WAIT_NS] += time.monotonic_ns() - self._started
         return got
+
+    def abandon(self) -> None:
+        """Drop the connections whose replies will not be read (the next request opens new ones)."""
+        conns = self.tier._connections()
+        for node in self.sent:
+            conn = conns.pop(node, None)
+            if conn is not None:
+                conn.close()
 
 
 class _ServerProcess:

@@ -15,7 +15,8 @@ class EpochStats:
     job and ``shared`` ones taken from other members (``staging_wait_s`` waiting for those).
     ``stale`` counts the ``misses`` whose cached bytes were out of date (their file changed since).
     In a partitioned job (``servers`` > 0), ``peer_hits`` and ``peer_bytes`` count the local misses
-    fetched from other servers' caches; ``misses`` and ``storage_bytes`` count only storage reads.
+    fetched from other servers' caches; ``misses`` and ``storage_bytes`` count only storage reads. With
+    ``locality_aware``, ``moved`` counts the samples another server caches that balancing gave this rank.
     """
 
     epoch: int
@@ -38,6 +39,7 @@ class EpochStats:
     servers: int = 0
     peer_hits: int = 0
     peer_bytes: int = 0
+    moved: int = 0
 
     @property
     def samples_per_s(self) -> float:
@@ -56,7 +58,7 @@ class EpochStats:
                 f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
                 f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill}")
         if self.servers:
-            line += f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes}"
+            line += f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved}"
         if self.group is not None:
             line += (f" group={self.group} members={self.members} prepared={self.prepared} shared={self.shared} "
                      f"decoded={self.decoded} staging_wait_s={self.staging_wait_s:.3f}")
@@ -90,5 +92,5 @@ class LoaderStats:
 def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total``."""
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "stall_s", "time_s",
-                  "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes"):
+                  "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))

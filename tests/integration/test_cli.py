@@ -113,3 +113,14 @@ def test_every_demo_option_has_help():
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     options = [a for a in commands.choices["demo"]._actions if a.option_strings]
     assert len(options) == 8 and all(a.help for a in options)
+
+
+def test_ls_shows_a_caches_part_in_a_partitioned_job():
+    with MinIOCache(cache_segment_name(secrets.token_hex(6)), n_items=3, capacity_bytes=1000, fingerprint=bytes(32),
+                    label="cli-test partitioned") as cache:
+        listed = _coordl("cache", "ls")
+        assert "cli-test partitioned" in listed.stdout and "[partitioned" not in listed.stdout
+        cache.mark_partition(2, 4)
+        listed = _coordl("cache", "ls")
+    assert listed.returncode == 0
+    assert "cli-test partitioned [partitioned: server 2 of 4]" in listed.stdout

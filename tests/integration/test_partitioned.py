@@ -220,6 +220,39 @@ def test_a_server_that_stops_iterating_delays_one_epoch_start_by_the_exchange_li
     assert len(server1["epochs"]) == 1
 
 
+def test_locality_aware_ranks_take_their_servers_samples_in_torchs_global_batches(make_cluster, dataset, tmp_path):
+    root, crcs, sizes, _ = dataset
+    cluster = make_cluster(2)
+    b, world = 4, 4
+    results = _run(cluster, root, str(tmp_path / "out"), epochs=3, cache_bytes=sum(sizes), nproc=2,
+                   extra=["--locality", "--batch-size", str(b)])
+    _check_every_sample_once(results, crcs, 3)
+    shard = _ShardOf(len(crcs))
+    for epoch in (1, 2, 3):
+        torch_batches = [[shard(epoch, rank=r, world=world)[k:k + b] for k in range(0, len(crcs) // world, b)]
+                         for r in range(world)]
+        ours = [r["epochs"][epoch - 1]["batches"] for r in results]
+        for k in range(len(torch_batches[0])):  # the same global batches: the same all-reduced gradients
+            assert sorted(i for r in range(world) for i in ours[r][k]) == \
+                sorted(i for r in range(world) for i in torch_batches[r][k])
+            assert all(len(ours[r][k]) == b for r in range(world))
+    for epoch in (2, 3):
+        assert _epoch_sum(results, epoch, "storage_bytes") == 0
+        moved, peer = _epoch_sum(results, epoch, "moved"), _epoch_sum(results, epoch, "peer_hits")
+        assert peer == moved < 0.25 * len(crcs)  # what crosses the network is what balancing moved, not half
+    assert len({r["owner_digest"] for r in results}) == 1
+
+
+def test_locality_aware_without_a_partitioned_job_is_refused_clearly(image_root):
+    import torchvision
+
+    import coordl
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    with pytest.raises(ValueError, match="locality_aware=True needs partitioned caching"):
+        coordl.DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, num_replicas=2, rank=0),
+                          locality_aware=True)
+
+
 _CLIENT = r"""
 import socket, sys, time, json
 from coordl import _peer_wire as wire
