@@ -70,7 +70,7 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     """
     identity = peers = None
     if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
-        identity, peers, dataset = dataset.identity, dataset.peers, dataset.dataset
+        identity, dataset = dataset.identity, dataset.dataset
     source, why = raw_source(dataset, decode=decode)
     if source is None:
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
@@ -85,14 +85,13 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
     storage = storage if storage is not None else FileStorage(drop_page_cache=drop)
     topology = resolve_partitioned(partitioned, cache is not None)
-    if topology is not None and peers is None:
+    if topology is not None:  # each loader its own, as every rank re-creates loaders alike (Lightning)
         try:
             peers = PeerTier(topology, cache, source, storage, num_workers + 1)
         except BaseException:
             cache.close()
             raise
-    return CachedDataset(dataset, source, cache, storage, SampleCounters(num_workers + 1), identity,
-                         peers if topology is not None else None)
+    return CachedDataset(dataset, source, cache, storage, SampleCounters(num_workers + 1), identity, peers)
 
 
 def _cache_label(dataset, source, cache_name: str | None) -> str:

@@ -16,7 +16,9 @@ ownership map of ``partitioned`` NOTE [ Ownership ], identical on every rank, so
 exchanging a byte per step. For a global batch of ``p x L x b`` positions (p servers of L ranks, local
 batch b):
   1. server s keeps the positions it owns, in batch order, up to its quota L x b; the rest is surplus;
-  2. positions no server owns fill the deficits, servers in order (they are read from storage anyway);
+  2. positions no server owns fill the deficits, servers in order from the batch's number mod p (they
+     are read from storage anyway: so every server reads its share of them, and one whose cache has room
+     for an item that did not fit elsewhere gets it, caches it, and owns it from the next map on);
   3. :func:`balance` (Algorithm 1, ties to the lowest server) moves surplus positions to deficits;
   4. each server's positions, in batch order, are split among its local ranks, b each.
 Every position of the global batch goes to exactly one rank, and every rank gets exactly b.
@@ -51,10 +53,12 @@ def balance(surplus: dict[int, int], deficit: dict[int, int]) -> list[tuple[int,
     return transfers
 
 
-def assign(batch: np.ndarray, owner: np.ndarray, servers: int, ranks_per_server: int) -> tuple[list[np.ndarray], int]:
+def assign(batch: np.ndarray, owner: np.ndarray, servers: int, ranks_per_server: int,
+           first: int = 0) -> tuple[list[np.ndarray], int]:
     """Reassign one global batch (sample ids; ``len(batch)`` = servers x ranks_per_server x b) among the
-    ranks (see NOTE [ Locality assignment ]). Returns each rank's positions into ``batch`` (rank r is on
-    server r // ranks_per_server) and the number of positions balancing moved between servers."""
+    ranks (see NOTE [ Locality assignment ]); samples no server caches fill deficits from server ``first``
+    on. Returns each rank's positions into ``batch`` (rank r is on server r // ranks_per_server) and the
+    number of positions balancing moved between servers."""
     quota = len(batch) // servers
     held = owner[batch]
     mine, spare, surplus, deficit = [], {}, {}, {}
@@ -64,7 +68,7 @@ def assign(batch: np.ndarray, owner: np.ndarray, servers: int, ranks_per_server:
         spare[s] = list(own[quota:])
         surplus[s], deficit[s] = len(spare[s]), quota - len(mine[s])
     free = list(np.flatnonzero((held < 0) | (held >= servers)))
-    for s in range(servers):
+    for s in [(first + k) % servers for k in range(servers)]:
         take = min(deficit[s], len(free))
         mine[s] += free[:take]
         free, deficit[s] = free[take:], deficit[s] - take
@@ -130,7 +134,8 @@ class LocalityPlan:
             if len(rows) < b and self.drop_last:
                 return
             batch = rows.reshape(-1)
-            mine = batch[assign(batch, owner, self.servers, self.ranks_per_server)[0][rank]]
+            first = (start // b) % self.servers
+            mine = batch[assign(batch, owner, self.servers, self.ranks_per_server, first)[0][rank]]
             held = owner[mine]
             self.moved += int(np.count_nonzero((held >= 0) & (held != rank // self.ranks_per_server)))
             yield [int(i) for i in mine]

@@ -118,6 +118,7 @@ def test_every_demo_option_has_help():
 def test_ls_shows_a_caches_part_in_a_partitioned_job():
     with MinIOCache(cache_segment_name(secrets.token_hex(6)), n_items=3, capacity_bytes=1000, fingerprint=bytes(32),
                     label="cli-test partitioned") as cache:
+        cache.stats()  # creates it
         listed = _coordl("cache", "ls")
         assert "cli-test partitioned" in listed.stdout and "[partitioned" not in listed.stdout
         cache.mark_partition(2, 4)

@@ -104,7 +104,8 @@ def test_with_the_whole_dataset_cached_across_servers_storage_is_read_once(make_
         assert _epoch_sum(results, epoch, "peer_bytes") + _epoch_sum(results, epoch, "cache_bytes") == total
     assert len({r["owner_digest"] for r in results}) == 1  # one ownership map on every rank
     assert sorted(tuple(r["partition"]) for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    assert all(p["bytes"] > 0 and not p["down"] for r in results for p in r["peers"])
+    assert all(p["bytes"] > 0 and p["requests"] > 0 and not p["down"] for r in results for p in r["peers"])
+    assert "epoch=2 complete=1" in cluster.log(1) and " servers=2 peer_hits=" in cluster.log(1)  # the summary line
     if device is not None:  # the devices agree: the dataset once (file system blocks), not three times
         read = [cluster.device_read_bytes(n) for n in range(2)]
         assert total <= sum(read) <= 1.1 * total + 2**20, read

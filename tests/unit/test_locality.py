@@ -132,3 +132,13 @@ def test_a_sampler_coordl_cannot_follow_is_refused_by_name():
         locality_plan(Reordered(data, num_replicas=2, rank=0), 4, False, peers, False)
     assert isinstance(locality_plan(DistributedSampler(data, num_replicas=2, rank=0), 4, False, peers, False),
                       LocalityPlan)
+
+
+def test_samples_no_server_caches_go_round_the_servers_batch_by_batch():
+    owner = np.full(64, -1, dtype=np.int16)
+    owner[:8] = 0  # server 0 owns 8 samples, nobody else anything
+    batch = np.arange(8, 16)  # 8 uncached samples, 2 servers of 1 rank, b = 4
+    for first, takes in ((0, 0), (1, 1)):
+        positions, moved = assign(batch, owner, 2, 1, first)
+        assert moved == 0
+        assert positions[takes].tolist() == [0, 1, 2, 3]  # the first server in turn fills its deficit first
