@@ -83,6 +83,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     ax.scatter([32, 64, 128], [6.9, 4.8, 3.4], marker="x", color="red", label="paper, Fig. 6 medians")
     ax.set(xscale="log", xlabel="local batch b", ylabel="imbalance, % of the global batch",
            title="samples balancing moves between servers")
+    ax.minorticks_off()
     ax.set_xticks(bs, [str(b) for b in bs])
     ax.legend(fontsize=7)
     return report.save(fig, plt, path)

@@ -196,25 +196,29 @@ def markdown(rows: list[dict], setup: dict) -> str:
 
 
 def plot(runs: list[dict], dataset_bytes: int, path: str) -> str | None:
-    """Per epoch: device reads (fraction of the dataset) and epoch time of each mode (medians over reps)."""
-    made = report.axes((10, 4))
+    """Per epoch: device reads and peer bytes (fractions of the dataset) and epoch time of each mode
+    (medians over repetitions)."""
+    made = report.axes((14, 4))
     if made is None:
         return None
     plt, fig, ax = made
     fig.clf()
-    reads, times = fig.subplots(1, 2)
+    panels = fig.subplots(1, 3)
+    values = (lambda e: e["device_read_bytes"] / dataset_bytes, lambda e: e["peer_bytes"] / dataset_bytes,
+              lambda e: e["time_s"])
     for key in sorted({(r["mode"], r["aggregate_cache_fraction"]) for r in runs}):
         same = [r for r in runs if (r["mode"], r["aggregate_cache_fraction"]) == key]
-        n = len(same[0]["epochs"])
-        x = list(range(1, n + 1))
+        x = list(range(1, len(same[0]["epochs"]) + 1))
         label = f"{key[0]} {key[1]:.0%}" if key[0] != "full-local" else "full-local"
-        reads.plot(x, [spread([r["epochs"][e]["device_read_bytes"] / dataset_bytes for r in same])["median"]
-                       for e in range(n)], marker="o", label=label)
-        times.plot(x, [spread([r["epochs"][e]["time_s"] for r in same])["median"] for e in range(n)], marker="o",
-                   label=label)
-    reads.set(xlabel="epoch", ylabel="device reads, all servers / dataset", title="storage read per epoch")
-    times.set(xlabel="epoch", ylabel="epoch time (s), slowest server", title="epoch time")
-    times.legend(fontsize=7)
+        for panel, value in zip(panels, values):
+            panel.plot(x, [spread([value(r["epochs"][e - 1]) for r in same])["median"] for e in x], marker="o",
+                       label=label)
+            panel.set_xticks(x)
+    for panel, (ylabel, title) in zip(panels, (("device reads, all servers / dataset", "storage read per epoch"),
+                                               ("peer bytes, all servers / dataset", "read from peers per epoch"),
+                                               ("epoch time (s), slowest server", "epoch time"))):
+        panel.set(xlabel="epoch", ylabel=ylabel, title=title)
+    panels[2].legend(fontsize=7)
     return report.save(fig, plt, path)
 
 
