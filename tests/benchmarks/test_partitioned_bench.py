@@ -13,9 +13,9 @@ def test_the_plan_interleaves_and_rotates_every_mode_and_cache():
     runs = partitioned.plan(2, 3, partitioned.MODES)
     points = {(r["mode"], r["aggregate_cache_fraction"]) for r in runs}
     assert points == {("full-local", 2.0), ("uncoordinated", 0.5), ("partitioned", 0.5), ("uncoordinated", 1.0),
-                      ("partitioned", 1.0), ("peer-death", 1.0)}
-    assert len(runs) == 18 and all(r["nodes"] == 2 for r in runs)
-    firsts = [runs[rep * 6]["mode"] for rep in range(3)]
+                      ("partitioned", 1.0), ("locality", 1.0), ("peer-death", 1.0)}
+    assert len(runs) == 21 and all(r["nodes"] == 2 for r in runs)
+    firsts = [runs[rep * 7]["mode"] for rep in range(3)]
     assert len(set(firsts)) == 3  # no mode always runs first
     assert {r["mode"] for r in partitioned.plan(4, 1, ["partitioned"])} == {"partitioned"}
 
