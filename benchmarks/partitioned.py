@@ -28,6 +28,7 @@ Device bytes are the cgroups' counts: the page cache is kept out by coordl dropp
 import argparse
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -48,7 +49,7 @@ FILE_BYTES = 100_000
 def make_dataset(root: str, files: int, seed: int = 0) -> list[int]:
     """``files`` incompressible files of about ``FILE_BYTES`` in 10 folders, each a whole number of file-system
     blocks (so the device reads exactly what coordl reads); returns their sizes."""
-    rng = __import__("random").Random(seed)
+    rng = random.Random(seed)
     sizes = []
     for i in range(files):
         folder = os.path.join(root, f"c{i % 10}")

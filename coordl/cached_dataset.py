@@ -11,11 +11,11 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from coordl._worker import exit_when_orphaned
+from coordl._worker import exit_when_orphaned, own_row
 from coordl.exceptions import SampleError
 from coordl.minio_cache import MinIOCache
 from coordl.raw_datasets import RawBytesDataset
-from coordl.storage import Storage
+from coordl.storage import Storage, is_current
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes")
 """Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
@@ -44,8 +44,7 @@ class SampleCounters:
         """This process's row (a writable numpy view)."""
         if self._rows is None:
             self._rows = self.table.numpy()
-        info, n = torch.utils.data.get_worker_info(), len(self._rows)
-        return self._rows[0 if info is None or n == 1 else 1 + info.id % (n - 1)]
+        return self._rows[own_row(len(self._rows))]
 
     def totals(self) -> dict[str, int]:
         """Each counter summed over all processes."""
@@ -195,8 +194,7 @@ class CachedDataset(torch.utils.data.Dataset):
         raw = cache.get(index)
         if raw is None:
             return None
-        if getattr(self.storage, "read_stamped", None) is None or \
-                self.storage.stamp(self.source.raw_key(index)) == cache.stamp(index):
+        if is_current(self.storage, self.source.raw_key(index), cache.stamp(index)):
             row[_HITS] += 1
             row[_CACHE_BYTES] += len(raw)
             return raw

@@ -61,19 +61,18 @@ def assign(batch: np.ndarray, owner: np.ndarray, servers: int, ranks_per_server:
     number of positions balancing moved between servers."""
     quota = len(batch) // servers
     held = owner[batch]
-    mine, spare, surplus, deficit = [], {}, {}, {}
+    mine, spare, deficit = [], {}, {}
     for s in range(servers):
         own = np.flatnonzero(held == s)
         mine.append(list(own[:quota]))
-        spare[s] = list(own[quota:])
-        surplus[s], deficit[s] = len(spare[s]), quota - len(mine[s])
+        spare[s], deficit[s] = list(own[quota:]), quota - len(mine[s])
     free = list(np.flatnonzero((held < 0) | (held >= servers)))
     for s in [(first + k) % servers for k in range(servers)]:
         take = min(deficit[s], len(free))
         mine[s] += free[:take]
         free, deficit[s] = free[take:], deficit[s] - take
     moved = 0
-    for source, sink, m in balance(surplus, deficit):
+    for source, sink, m in balance({s: len(rest) for s, rest in spare.items()}, deficit):
         mine[sink] += spare[source][:m]
         spare[source] = spare[source][m:]
         moved += m

@@ -56,10 +56,10 @@ import zlib
 
 import numpy as np
 import torch
-import torch.utils.data
 
 from coordl import _peer_wire as wire
 from coordl import peer_server
+from coordl._worker import own_row
 
 logger = logging.getLogger(__name__)
 
@@ -445,10 +445,9 @@ class PeerTier:
                        "%s:%d" % address if address else "address unknown", why)
 
     def counters_row(self) -> np.ndarray:
-        """This process's per-node counters (a writable numpy view), as ``SampleCounters.row`` picks rows."""
+        """This process's per-node counters (a writable numpy view)."""
         table = self.state.counters.numpy()
-        info, n = torch.utils.data.get_worker_info(), len(table)
-        return table[0 if info is None or n == 1 else 1 + info.id % (n - 1)]
+        return table[own_row(len(table))]
 
     def peer_stats(self) -> list[dict]:
         """Per peer: its address, whether it is down, and the items, bytes, requests and mean wait per request."""

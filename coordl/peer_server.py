@@ -18,6 +18,7 @@ import time
 
 from coordl import _peer_wire as wire
 from coordl._worker import exit_when_orphaned
+from coordl.storage import is_current
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,6 @@ class PeerServer:
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          backlog=128)
         self.address = self.sock.getsockname()[:2]
-        self.served_items = self.refused = 0
         self._clients: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -69,10 +69,7 @@ class PeerServer:
                 if ids is None:
                     return
                 wire.send_reply(conn, [(i, self.lookup(i)) for i in ids])
-                self.served_items += len(ids)
         except (OSError, wire.PeerProtocolError) as e:  # TimeoutError and ConnectionError are OSErrors
-            with self._lock:
-                self.refused += 1
             logger.debug("coordl peer server: dropped a client: %s", e)
         finally:
             with self._lock:
@@ -96,14 +93,10 @@ class PeerServer:
 
 def cache_lookup(cache, source, storage):
     """``lookup`` serving ``cache``'s items as a local hit is served: with a storage that stamps its files,
-    only while the item's file still has the stamp it was cached with (see ``CachedDataset.fetch``)."""
-    stamped = getattr(storage, "read_stamped", None) is not None
-
+    only while the item's file still has the stamp it was cached with (``storage.is_current``)."""
     def lookup(index: int):
         raw = cache.get(index)
-        if raw is None or (stamped and storage.stamp(source.raw_key(index)) != cache.stamp(index)):
-            return None
-        return raw
+        return raw if raw is not None and is_current(storage, source.raw_key(index), cache.stamp(index)) else None
     return lookup
 
 

@@ -23,6 +23,12 @@ class Storage(Protocol):
         ...
 
 
+def is_current(storage, key: str, cached: Stamp) -> bool:
+    """Whether bytes cached with stamp ``cached`` may be served for ``key``: always from a storage that does
+    not stamp its files (its keys name immutable bytes), else only while ``key``'s stamp is still that one."""
+    return getattr(storage, "read_stamped", None) is None or storage.stamp(key) == cached
+
+
 def stamp_of(st: os.stat_result) -> Stamp:
     return st.st_ino, st.st_ctime_ns, st.st_size
 
