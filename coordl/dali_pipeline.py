@@ -11,10 +11,14 @@ This module imports DALI; :func:`require_dali` says how to install it when it is
 
 import collections
 import concurrent.futures
+import ctypes
+import gc
 import hashlib
 import importlib.util
 import io
+import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +31,45 @@ from coordl.exceptions import SampleError
 INSTALL_HINT = "pip install 'coordl[dali]'  (or: pip install nvidia-dali-cuda120)"
 PREFETCH_DEPTH = 2
 """Batches DALI runs ahead of the training loop."""
+_pipelines: "weakref.WeakSet" = weakref.WeakSet()
+"""The DALI pipelines coordl built in this process (see :func:`_disown_pipelines_in_child`)."""
+
+
+def _track(pipe):
+    _pipelines.add(pipe)
+    return pipe
+
+
+_gc_was_enabled = True
+
+
+def _pause_gc_for_fork() -> None:
+    """Before ``fork``: no garbage collection until the child has disowned the pipelines (the other
+    at-fork handlers, run first in the child, may trigger one)."""
+    global _gc_was_enabled
+    _gc_was_enabled = gc.isenabled()
+    gc.disable()
+
+
+def _resume_gc() -> None:
+    if _gc_was_enabled:
+        gc.enable()
+
+
+def _disown_pipelines_in_child() -> None:
+    """After ``fork``, in the child: keep the parent's pipelines from shutting down here. Their threads
+    stayed in the parent, so a shutdown in the child (when the garbage collector or ``atexit`` reaches
+    one: a torch worker forked after a DALI epoch) crashes or hangs. Each native pipeline is let go of
+    unfreed: its memory is the parent's, copied on write."""
+    for pipe in list(_pipelines):
+        native = getattr(pipe, "_pipe", None)
+        if native is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))  # never destroyed in this process
+            pipe._pipe = None
+    _resume_gc()
+
+
+os.register_at_fork(before=_pause_gc_for_fork, after_in_parent=_resume_gc, after_in_child=_disown_pipelines_in_child)
 
 
 def dali_available() -> bool:
@@ -185,7 +228,7 @@ class DaliBackend:
                                        device=self.device, train=self.train)
             pipe.set_outputs(*(outputs if isinstance(outputs, (tuple, list)) else (outputs,)))
         pipe.build()
-        return pipe
+        return _track(pipe)
 
     def _feed(self):
         return self._feeder()
@@ -405,8 +448,8 @@ class FileReaderLoader:
         require_dali()
         from nvidia.dali import Pipeline, fn
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-        pipe = Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,
-                        device_id=torch.cuda.current_device() if device == "gpu" else None)
+        pipe = _track(Pipeline(batch_size=batch_size, num_threads=num_threads, seed=seed,
+                               device_id=torch.cuda.current_device() if device == "gpu" else None))
         with pipe:
             shuffle = dict(random_shuffle=True, initial_fill=1024) if order == "seq" else \
                 dict(shuffle_after_epoch=True, shuffle_after_epoch_seed=seed)

@@ -1,11 +1,14 @@
 """The DALI backend on the CPU: presets, the epoch plan, the cache, errors, and the plain-DALI baselines."""
 
+import gc
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 import wave
 
 import numpy as np
@@ -157,6 +160,63 @@ def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
         order = torch.cat([labels for _, labels in loader]).tolist()
         assert sorted(order) == list(range(len(dataset)))
         assert [e.complete for e in loader.stats().epochs] == [False, True]
+
+
+class _Collects(tud.Dataset):
+    """Runs the garbage collector in torch's worker, as any allocation there may."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        gc.collect()
+        return i
+
+
+def _exit_status_of_fork(child, timeout_s: float = 60) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung")
+
+
+def test_a_process_forked_after_dali_epochs_can_collect_their_pipelines(image_root):
+    dataset = torchvision.datasets.ImageFolder(image_root)
+    collecting = gc.isenabled()
+    gc.disable()  # the dropped loader stays garbage until a child collects it
+    try:
+        dropped = coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0)
+        it = iter(dropped)
+        next(it)  # half an epoch: DALI's threads are busy
+        cycle = [dropped, it]
+        cycle.append(cycle)
+        del dropped, it, cycle
+        with coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0) as live:
+            first = list(live)
+            threshold = gc.get_threshold()
+            gc.enable()
+            gc.set_threshold(1)  # a collection at the child's first allocation, in the at-fork handlers
+            try:
+                assert _exit_status_of_fork(gc.collect) == 0
+            finally:
+                gc.set_threshold(*threshold)
+            workers = tud.DataLoader(_Collects(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+            assert [b.tolist() for b in workers] == [[0, 1], [2, 3]]
+            gc.collect()  # in this process the pipelines shut down as ever
+            assert len(list(live)) == len(first)  # the parent's pipeline untouched by its children
+    finally:
+        gc.enable() if collecting else gc.disable()
 
 
 def _write_coco(root: str, n: int) -> str:
