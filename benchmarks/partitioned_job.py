@@ -5,9 +5,10 @@ Loads a folder of files through ``coordl.DataLoader`` with a ``DistributedSample
 epoch, every index it was given with a crc32 of the bytes it was decoded from (``--backend dali``: an
 ImageFolder through the DALI backend, batches only), the longest wait for a batch, the loader's
 statistics and a digest of its ownership map, in ``OUT/rank<RANK>.json``. ``--pause EPOCH:BATCH`` stops
-the rank after that many batches of that epoch, writes ``OUT/paused-rank<RANK>`` (holding the pid and
-address of the node's peer server, on local rank 0), and waits for ``OUT/go`` (so a test can kill a peer
-at a known point; the pause is not counted in the epoch's time). ``--sync`` all-reduces after every step
+the rank (``EPOCH:BATCH:NODE``: server NODE's ranks only) after that many batches of that epoch, writes
+``OUT/paused-rank<RANK>`` (holding the pid and address of the node's peer server, on local rank 0), and
+waits for ``OUT/go`` (so a test can kill a peer at a known point; the pause is not counted in the
+epoch's time). ``--sync`` all-reduces after every step
 as DDP does, ``--step-s`` sleeps for a training step, ``--device MAJ:MIN`` records the bytes this rank's
 cgroup read from that device per epoch, ``--warm-all`` first reads the whole dataset into this server's
 cache (the full-local reference), ``--idle-after NODE:EPOCHS`` has a server stop iterating early,
@@ -64,11 +65,11 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--cache-bytes", default="auto")
+    parser.add_argument("--cache-bytes", default="auto", help="'auto', bytes, or bytes per server: A,B,...")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--partitioned", default="auto", choices=("auto", "true", "false"))
-    parser.add_argument("--pause", default=None, help="EPOCH:BATCH")
+    parser.add_argument("--pause", default=None, help="EPOCH:BATCH[:NODE] (NODE: only that server's ranks)")
     parser.add_argument("--step-s", type=float, default=0.0, help="a training step's time")
     parser.add_argument("--backend", default="torch", choices=("torch", "dali"))
     parser.add_argument("--sync", action="store_true", help="all-reduce after every step, as DDP")
@@ -85,9 +86,14 @@ def main() -> None:
     else:
         dataset = Files(args.root)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=5)
-    cache_bytes = args.cache_bytes if args.cache_bytes == "auto" else int(args.cache_bytes)
+    node = int(os.environ.get("GROUP_RANK", rank))
+    per_node = args.cache_bytes.split(",")
+    cache_bytes = per_node[node % len(per_node)]
+    cache_bytes = cache_bytes if cache_bytes == "auto" else int(cache_bytes)
     partitioned = {"auto": "auto", "true": True, "false": False}[args.partitioned]
     pause = tuple(int(v) for v in args.pause.split(":")) if args.pause else None
+    if pause is not None and len(pause) == 3:
+        pause = pause[:2] if pause[2] == node else None
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                                cache_bytes=cache_bytes, partitioned=partitioned, backend=args.backend,
                                locality_aware=args.locality)
@@ -98,7 +104,6 @@ def main() -> None:
         for _ in coordl.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                                    cache_bytes=cache_bytes, partitioned=False):
             pass
-    node = int(os.environ.get("GROUP_RANK", rank))
     idle = tuple(int(v) for v in args.idle_after.split(":")) if args.idle_after else None
     epochs = []
     for epoch in range(1, (idle[1] if idle and idle[0] == node else args.epochs) + 1):

@@ -15,6 +15,12 @@ Then the client sends requests and the server answers each in order:
            when ``ABSENT``)
 A request holds at most ``MAX_IDS`` ids; an item is at most ``MAX_ITEM_BYTES``. The client checks that
 each reply names the id it asked for, in order, and that the bytes match their checksum before use.
+
+A client may also hand the server an item to keep (see ``partitioned`` NOTE [ Hand-off ]):
+  keep     ``!4sIII`` (``KEEP`` magic, id, length, crc32) + the bytes
+  answer   ``!4sIB`` (``KEPT`` magic, id, outcome): ``STORED``, ``FULL`` (its cache takes no more) or
+           ``DECLINED`` (held already, or its own copy of the file differs)
+The server checks the id, the length and the checksum before it keeps a byte.
 """
 
 import hashlib
@@ -28,8 +34,11 @@ import zlib
 HELLO = b"CDLPEER1"
 REQUEST = b"CDLQ"
 REPLY = b"CDLR"
+KEEP = b"CDLK"
+KEPT = b"CDLA"
 NONCE_BYTES = 32
 FOUND, ABSENT = 0, 1
+STORED, FULL, DECLINED = 0, 1, 2
 MAX_IDS = 8192
 """Ids per request (a minibatch's misses for one owner come in one request)."""
 MAX_ITEM_BYTES = 1 << 30
@@ -38,6 +47,8 @@ MAX_ITEM_BYTES = 1 << 30
 _FRAME = struct.Struct("!4sI")
 _ID = struct.Struct("!I")
 _ITEM = struct.Struct("!IBII")
+_KEEP_TAIL = struct.Struct("!II")  # after _FRAME(KEEP, id): length, crc32
+_KEPT = struct.Struct("!4sIB")
 _SEND_CHUNK = 1 << 20
 
 
@@ -96,17 +107,26 @@ def encode_request(ids) -> bytes:
     return _FRAME.pack(REQUEST, len(ids)) + struct.pack(f"!{len(ids)}I", *ids)
 
 
-def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float | None,
-                 frame_s: float) -> list[int] | None:
-    """The next request's ids (None when the client closed between requests). Raises ``PeerProtocolError``
-    for a bad frame or an id out of ``range(n_items)``, ``TimeoutError`` when a started frame takes more
-    than ``frame_s`` (a slow client)."""
+def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float | None, frame_s: float,
+                 max_keep_bytes: int = MAX_ITEM_BYTES) -> list[int] | tuple[int, bytes] | None:
+    """The next request: its ids (a list), or a hand-off's ``(id, bytes)`` (checked), or None when the
+    client closed between requests. Raises ``PeerProtocolError`` for a bad frame, an id out of
+    ``range(n_items)``, a hand-off over ``max_keep_bytes`` or whose bytes do not match their checksum,
+    ``TimeoutError`` when a started frame takes more than ``frame_s`` (a slow client)."""
     try:
         first = recv_exact(sock, 1, first_byte_deadline)
     except ConnectionError:
         return None
     deadline = time.monotonic() + frame_s
     magic, count = _FRAME.unpack(first + recv_exact(sock, _FRAME.size - 1, deadline))
+    if magic == KEEP:
+        length, crc = _KEEP_TAIL.unpack(recv_exact(sock, _KEEP_TAIL.size, deadline))
+        if count >= n_items or length > min(max_keep_bytes, MAX_ITEM_BYTES):
+            raise PeerProtocolError(f"hand-off of item {count} ({length} bytes) out of range")
+        data = recv_exact(sock, length, time.monotonic() + frame_s + length / 1e7)  # at least 10 MB/s
+        if zlib.crc32(data) != crc:
+            raise PeerProtocolError(f"hand-off of item {count}: checksum mismatch ({length} bytes)")
+        return count, data
     if magic != REQUEST:
         raise PeerProtocolError(f"bad request magic {magic!r}")
     if not 0 < count <= MAX_IDS:
@@ -115,6 +135,24 @@ def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float |
     if max(ids) >= n_items:
         raise PeerProtocolError(f"item id {max(ids)} out of range (the dataset has {n_items})")
     return list(ids)
+
+
+def send_keep(sock: socket.socket, index: int, data) -> None:
+    """Hand item ``index`` to the server to keep."""
+    sock.sendall(_FRAME.pack(KEEP, index) + _KEEP_TAIL.pack(len(data), zlib.crc32(data)))
+    sock.sendall(data)
+
+
+def send_kept(sock: socket.socket, index: int, outcome: int) -> None:
+    sock.sendall(_KEPT.pack(KEPT, index, outcome))
+
+
+def read_kept(sock: socket.socket, index: int, deadline: float | None) -> int:
+    """The server's answer to handing it ``index``: ``STORED``, ``FULL`` or ``DECLINED``."""
+    magic, got, outcome = _KEPT.unpack(recv_exact(sock, _KEPT.size, deadline))
+    if magic != KEPT or got != index or outcome not in (STORED, FULL, DECLINED):
+        raise PeerProtocolError(f"bad hand-off answer {magic!r} (id {got}, outcome {outcome}) for id {index}")
+    return outcome
 
 
 def send_reply(sock: socket.socket, items: list[tuple[int, object]]) -> None:

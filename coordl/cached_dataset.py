@@ -151,7 +151,8 @@ class CachedDataset(torch.utils.data.Dataset):
         file's stamp (one ``stat``) is the one it was cached with: else (edited, replaced, a link
         re-pointed, gone) it is read from storage and counted ``stale``; the cache keeps the old bytes
         (never rewritten under readers) and serves them to no one. Bytes from a peer are not inserted:
-        the peer holds them already.
+        the peer holds them already. Bytes from storage that a full cache cannot take are handed to a peer
+        with room (``partitioned`` NOTE [ Hand-off ]).
         """
         if self.cache is not None and torch.utils.data.get_worker_info() is not None:
             exit_when_orphaned(self._release)
@@ -212,7 +213,8 @@ class CachedDataset(torch.utils.data.Dataset):
         row[_MISSES] += 1
         row[_STORAGE_BYTES] += len(raw)
         if cache is not None and (stamp is not None or stamped is None):
-            cache.put(index, raw, stamp)
+            if not cache.put(index, raw, stamp) and self.peers is not None and cache.full:
+                self.peers.hand_off(index, raw)  # see partitioned NOTE [ Hand-off ]
         return raw
 
     def __getitem__(self, index: int) -> Any:

@@ -447,6 +447,15 @@ class MinIOCache:
                        format_bytes(keep))
         return False
 
+    @property
+    def full(self) -> bool:
+        """Whether the cache has frozen: it takes no more items."""
+        return bool(self._ensure().header[_H_FROZEN])
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self._ensure().header[_H_CAPACITY])
+
     def mark_partition(self, node: int, nodes: int) -> None:
         """Record that this cache is server ``node``'s part of a partitioned job over ``nodes`` servers."""
         views = self._ensure()

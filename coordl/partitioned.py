@@ -10,9 +10,10 @@ later epoch, until the map is final, the servers exchange what they hold through
 store (torchrun's rendezvous ``TCPStore``, keys under ``coordl/<run id>/<restart>/<dataset>/<k>/``, where
 ``<dataset>`` is the number of items and a digest of the class folders and names of 1024 sampled files,
 the same for every server's copy of the dataset, and ``<k>`` counts this process's loaders of it):
-  * every rank sets ``e<epoch>/ready/<node>/<local rank>``: its previous epoch is over, so its inserts are in;
-  * each node's local rank 0 waits for its node's ranks, then sets ``e<epoch>/map/<node>``: whether its
-    cache is frozen, and zlib of its cache's ready bitmap (1 bit per item);
+  * every rank sets ``e<epoch>/ready/<node>/<local rank>``: its previous epoch is over, so its inserts (and
+    hand-offs, NOTE [ Hand-off ]) are in;
+  * each node's local rank 0 waits for the ranks of every server that is up, then sets
+    ``e<epoch>/map/<node>``: whether its cache is frozen, and zlib of its cache's ready bitmap (1 bit per item);
   * every rank reads every node's map and computes ``owner[i]`` = the lowest node holding item ``i``
     (-1: no node), identical on every rank. It lives in shared memory (:class:`PeerState`) that the
     rank's DataLoader workers read.
@@ -33,6 +34,19 @@ the connection, breaks the protocol or sends nothing for ``COORDL_PEER_TIMEOUT_S
 marked down for the rest of the epoch in shared memory (so the rank's other workers skip it at
 once), logged once, and its items come from storage; every epoch start tries it again.
 
+NOTE [ Hand-off ]
+A server's share of an epoch is random, so with an aggregate cache of about the dataset some caches
+fill before their server's share is in while others keep room: without help, what overflowed would be
+read from storage again in later epochs. So a process that reads an item from storage while its node's
+cache is full hands the bytes (in the background, never delaying the batch) to the next server, in
+turn, that still takes items; that server keeps them as if read from its own storage (stamped with its
+own copy of the file, declined if that differs), and the next map exchange makes it the owner. A server
+that answers ``FULL`` (or whose map says frozen) gets no more. The aggregate cache thus fills up to the
+sum of the capacities, and storage is read once. A queue of at most ``HANDOFF_QUEUE_BYTES`` per process
+waits for the sender: past it, an item is not handed off (it is read again later, as without help). A
+process drains its queue before it exits (a torch worker at its epoch's end) and a rank before it starts
+an epoch, so the next exchange's maps hold what was handed off.
+
 NOTE [ Security ]
 Peers authenticate each connection with HMAC challenge-response over a per-job secret (see
 ``_peer_wire``): ``COORDL_PEER_SECRET`` if set (the same on every server), else one that the first rank
@@ -41,11 +55,13 @@ torchrun's store can read it). The server binds the address this server uses to 
 (``MASTER_ADDR``), never every interface, unless ``COORDL_PEER_HOST`` says otherwise.
 """
 
+import collections
 import dataclasses
 import datetime
 import hashlib
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import secrets
 import socket
@@ -79,8 +95,13 @@ CLOSE_WAIT_S = 10.0
 _MAX_NODES = 4096
 _ADDR_BYTES = 64
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-(_ITEMS, _BYTES, _REQUESTS, _WAIT_NS) = range(4)
-PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns")
+(_ITEMS, _BYTES, _REQUESTS, _WAIT_NS, _HANDED, _HANDED_BYTES) = range(6)
+PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns", "handed_off", "handed_off_bytes")
+HANDOFF_QUEUE_BYTES = 64 * 2**20
+"""Bytes a process's hand-offs may queue for its sender (NOTE [ Hand-off ])."""
+HANDOFF_DRAIN_S = 4.0
+"""How long an exiting process (or a rank starting an epoch) waits for its hand-offs: less than torch gives
+an exiting worker before terminating it (5 s)."""
 _loaders_built: dict[str, int] = {}  # per dataset: partitioned loaders this process built
 _built_lock = threading.Lock()
 _threads_lock = threading.Lock()
@@ -172,27 +193,35 @@ def decode_map(blob: bytes, n_items: int) -> tuple[np.ndarray, bool]:
 class PeerState:
     """What a rank's processes share about the peers (torch shared tensors, so it travels to DataLoader
     workers, forked or spawned): ``owner`` int16[N], ``meta`` (map version, final), ``down`` flags per
-    node (this epoch) and ``warned`` (said so), their ``addresses``, and per-process, per-node counters (:data:`PEER_COUNTERS`)."""
+    node (this epoch) and ``warned`` (said so), ``full`` (its cache takes no more), their ``addresses``, and
+    per-process, per-node counters (:data:`PEER_COUNTERS`)."""
 
     def __init__(self, n_items: int, nodes: int, processes: int):
         self.owner = torch.full((n_items,), -1, dtype=torch.int16).share_memory_()
         self.meta = torch.zeros(2, dtype=torch.int64).share_memory_()
         self.down = torch.zeros(nodes, dtype=torch.int32).share_memory_()
         self.warned = torch.zeros(nodes, dtype=torch.int32).share_memory_()
+        self.full = torch.zeros(nodes, dtype=torch.int32).share_memory_()
         self.addresses = torch.zeros((nodes, _ADDR_BYTES), dtype=torch.uint8).share_memory_()
         self.counters = torch.zeros((max(processes, 1), nodes, len(PEER_COUNTERS)), dtype=torch.int64).share_memory_()
 
     def address(self, node: int) -> tuple[str, int] | None:
-        text = bytes(self.addresses[node].numpy()).rstrip(b"\0").decode()
-        if not text:
+        row = self.addresses[node].numpy()
+        length = int(row[0])  # written last (see set_address): nonzero means the text is all there
+        if not length:
             return None
-        host, port = text.rsplit(":", 1)
+        host, port = bytes(row[1:1 + length]).decode().rsplit(":", 1)
         return host, int(port)
 
     def set_address(self, node: int, text: str) -> None:
-        raw = text.encode()[:_ADDR_BYTES]
-        self.addresses[node] = 0
-        self.addresses[node, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        """Record ``node``'s address (once: a peer server keeps its address for the run). The text goes in
+        first and its length last, so a process reading meanwhile sees no address or all of it."""
+        raw = text.encode()
+        if len(raw) >= _ADDR_BYTES:
+            raise ValueError(f"server {node}'s address {text!r} is longer than {_ADDR_BYTES - 1} bytes")
+        row = self.addresses[node].numpy()
+        row[1:1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        row[0] = len(raw)
 
 
 def _local_address(topology: Topology) -> str:
@@ -256,6 +285,8 @@ class PeerTier:
         self._said_missing: tuple = ()
         self.exchange_s = _seconds(EXCHANGE_ENV, EXCHANGE_TIMEOUT_S)
         self._threads = None  # (pid, threading.local, every thread's connections): see _connections
+        self._hand_off = None  # (pid, _HandOff): this process's sender
+        self._address_wait_s = 0.0  # how long this process's sender has waited for peer addresses
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
             self._server = _start_server(cache, source, storage, self.secret, topology, sum(_loaders_built.values()) - 1)
@@ -264,7 +295,7 @@ class PeerTier:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_store=None, _server=None, _cache=None, _threads=None)
+        state.update(_store=None, _server=None, _cache=None, _threads=None, _hand_off=None)
         return state
 
     def _secret(self) -> bytes:
@@ -283,14 +314,23 @@ class PeerTier:
         if self._store is None or epoch <= self._maps_known:
             return
         self._maps_known = epoch
+        if self._hand_off is not None and self._hand_off[0] == os.getpid():
+            self._hand_off[1].drain()  # this process's overflow of the last epoch in the peers' maps
         self.state.down.zero_()  # every epoch tries again the peers the last one found down
+        t, store = self.topology, self._store
+        if epoch < 2:  # where this epoch's overflow can go: learnt in the background as the servers come up
+            missing = [n for n in range(t.nodes) if n != t.node and self.state.address(n) is None]
+            if missing:
+                threading.Thread(target=self._learn_addresses, args=(missing,), name="coordl-peer-addresses",
+                                 daemon=True).start()
         if epoch < 2 or self.state.meta[1]:
             return
-        t, store = self.topology, self._store
         deadline = time.monotonic() + self.exchange_s
         store.set(f"e{epoch}/ready/{t.node}/{t.local_rank}", "1")
-        if t.local_rank == 0:
-            self._wait([f"e{epoch}/ready/{t.node}/{r}" for r in range(t.local_world)], deadline)
+        if t.local_rank == 0:  # the map once every live rank's inserts and hand-offs of the last epoch are in
+            nodes = [t.node] + [n for n in range(t.nodes) if n != t.node and n not in self._absent and
+                                self._learn_address(n, deadline) and self._reachable(n)]
+            self._wait([f"e{epoch}/ready/{n}/{r}" for n in nodes for r in range(t.local_world)], deadline)
             cache = self._cache
             store.set(f"e{epoch}/map/{t.node}", encode_map(cache.ready_mask(), cache.stats().frozen))
         maps, frozen = [], []
@@ -320,6 +360,7 @@ class PeerTier:
                            ", ".join(map(str, missing)), self.exchange_s, EXCHANGE_ENV)
         owner = owners_of(maps)
         self.state.owner.copy_(torch.from_numpy(owner))
+        self.state.full.copy_(torch.tensor(frozen, dtype=torch.int32) | self.state.full)
         final = not missing and (bool((owner >= 0).all()) or all(frozen))
         self.state.meta[0] += 1
         self.state.meta[1] = int(final)
@@ -369,6 +410,19 @@ class PeerTier:
         self.state.set_address(node, address)
         return True
 
+    def _learn_addresses(self, nodes: list[int]) -> None:
+        """In a thread of its own (with its own store client): learn ``nodes``' addresses as they appear, for
+        at most ``COORDL_PEER_EXCHANGE_S``."""
+        try:
+            store = _store(self.topology, self.prefix)
+            deadline = time.monotonic() + self.exchange_s
+            for node in nodes:
+                key = f"addr/{node}"
+                store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                self.state.set_address(node, bytes(store.get(key)).decode())
+        except Exception as e:  # a timeout (DistStoreError), or the job's store gone: hand-offs skip that server
+            logger.debug("coordl partitioned caching: peer addresses not learnt: %s", e)
+
     # -- any process: the read path ------------------------------------------------------------------------
 
     def request(self, indices: list[int]) -> "PendingFetch":
@@ -394,6 +448,51 @@ class PeerTier:
             pending.sent[node] = ids
             pending.asked.update(ids)
         return pending
+
+    def hand_off(self, index: int, raw) -> None:
+        """Offer ``index``'s bytes, just read from storage while this node's cache is full, to a peer whose
+        cache still takes items (in the background: see NOTE [ Hand-off ])."""
+        full, down = self.state.full.numpy(), self.state.down.numpy()
+        if all(full[n] or down[n] for n in range(self.topology.nodes) if n != self.topology.node):
+            return
+        pid = os.getpid()
+        with _threads_lock:
+            if self._hand_off is None or self._hand_off[0] != pid:
+                self._hand_off, self._address_wait_s = (pid, _HandOff(self._hand_to_a_peer)), 0.0
+        self._hand_off[1].offer(index, raw)
+
+    def _hand_to_a_peer(self, index: int, raw: bytes) -> None:
+        """In the sender thread: give ``index`` to the first server after this one that keeps it. While no
+        server that may take it has an address yet (at the first epoch's start, servers come up together),
+        it waits for one, for at most :data:`HANDOFF_DRAIN_S` in this process's life."""
+        t, state = self.topology, self.state
+        row = self.counters_row()
+        while True:
+            candidates = [(t.node + step) % t.nodes for step in range(1, t.nodes)]
+            candidates = [n for n in candidates if not state.full[n] and not state.down[n]]
+            if not candidates or any(state.address(n) is not None for n in candidates):
+                break
+            if self._address_wait_s >= HANDOFF_DRAIN_S:
+                return
+            time.sleep(0.05)
+            self._address_wait_s += 0.05
+        for node in candidates:
+            if state.full[node] or state.down[node] or state.address(node) is None:
+                continue
+            try:
+                conn = self._connection(node)
+                wire.send_keep(conn, index, raw)
+                outcome = wire.read_kept(conn, index, time.monotonic() + self.timeout_s)
+            except (OSError, wire.PeerProtocolError) as e:
+                self._mark_down(node, e)
+                continue
+            if outcome == wire.FULL:
+                state.full[node] = 1
+                continue
+            if outcome == wire.STORED:
+                row[node, _HANDED] += 1
+                row[node, _HANDED_BYTES] += len(raw)
+            return
 
     def _connections(self) -> dict[int, socket.socket]:
         """This thread's connections to the peers, by server: a socket is never shared by threads (the DALI
@@ -456,11 +555,12 @@ class PeerTier:
         for node in range(self.topology.nodes):
             if node == self.topology.node:
                 continue
-            items, nbytes, requests, wait_ns = (int(v) for v in totals[node])
+            items, nbytes, requests, wait_ns, handed, handed_bytes = (int(v) for v in totals[node])
             address = self.state.address(node)
             out.append({"node": node, "address": "%s:%d" % address if address else None,
                         "down": bool(self.state.down[node]), "items": items, "bytes": nbytes, "requests": requests,
-                        "mean_wait_ms": wait_ns / requests / 1e6 if requests else 0.0})
+                        "mean_wait_ms": wait_ns / requests / 1e6 if requests else 0.0,
+                        "handed_off": handed, "handed_off_bytes": handed_bytes})
         return out
 
     def close(self) -> None:
@@ -488,6 +588,50 @@ class PeerTier:
                             "is done (%s)", t.node, e)
             self._server.stop()
             self._server = None
+
+
+class _HandOff:
+    """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw)``; drained
+    (for at most :data:`HANDOFF_DRAIN_S`) before the process exits, as a torch worker does at its epoch's end."""
+
+    def __init__(self, send):
+        self._send, self._queue, self._bytes, self._busy = send, collections.deque(), 0, False
+        self._ready = threading.Condition()
+        threading.Thread(target=self._run, name="coordl-hand-off", daemon=True).start()
+        multiprocessing.util.Finalize(self, self.drain, exitpriority=0)
+
+    def offer(self, index: int, raw) -> bool:
+        """Queue ``raw`` unless :data:`HANDOFF_QUEUE_BYTES` are queued already; whether it was."""
+        with self._ready:
+            if self._bytes + len(raw) > HANDOFF_QUEUE_BYTES:
+                return False
+            self._queue.append((index, raw))
+            self._bytes += len(raw)
+            self._ready.notify_all()
+        return True
+
+    def drain(self, timeout_s: float = None) -> bool:
+        """Wait until every queued item is handed off (at most ``timeout_s``, default
+        :data:`HANDOFF_DRAIN_S`); whether it was."""
+        with self._ready:
+            return self._ready.wait_for(lambda: not self._queue and not self._busy,
+                                        HANDOFF_DRAIN_S if timeout_s is None else timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._queue)
+                index, raw = self._queue.popleft()
+                self._bytes -= len(raw)
+                self._busy = True
+            try:
+                self._send(index, raw)
+            except Exception:  # a hand-off is a favour: losing one costs a later storage read, not a sample
+                logger.debug("coordl partitioned caching: handing off item %d failed", index, exc_info=True)
+            finally:
+                with self._ready:
+                    self._busy = False
+                    self._ready.notify_all()
 
 
 class PendingFetch:

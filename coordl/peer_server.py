@@ -30,11 +30,14 @@ MAX_CLIENTS = 512
 
 class PeerServer:
     """Serves ``lookup(index) -> bytes-like | None`` for ids in ``range(n_items)`` to clients that know
-    ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which)."""
+    ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes their
+    hand-offs with ``keep(index, bytes) -> wire outcome`` (None: declines every one), of at most
+    ``max_keep_bytes`` each."""
 
-    def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *,
-                 frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
+    def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keep=None,
+                 max_keep_bytes: int = wire.MAX_ITEM_BYTES, frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
         self.lookup, self.n_items, self.secret = lookup, n_items, secret
+        self.keep, self.max_keep_bytes = keep, max_keep_bytes
         self.frame_s, self.max_clients = frame_s, max_clients
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          backlog=128)
@@ -65,10 +68,15 @@ class PeerServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S)
             while True:
-                ids = wire.read_request(conn, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
-                if ids is None:
+                request = wire.read_request(conn, self.n_items, time.monotonic() + IDLE_S, self.frame_s,
+                                            self.max_keep_bytes)
+                if request is None:
                     return
-                wire.send_reply(conn, [(i, self.lookup(i)) for i in ids])
+                if isinstance(request, tuple):
+                    index, data = request
+                    wire.send_kept(conn, index, self.keep(index, data) if self.keep else wire.DECLINED)
+                else:
+                    wire.send_reply(conn, [(i, self.lookup(i)) for i in request])
         except (OSError, wire.PeerProtocolError) as e:  # TimeoutError and ConnectionError are OSErrors
             logger.debug("coordl peer server: dropped a client: %s", e)
         finally:
@@ -100,11 +108,30 @@ def cache_lookup(cache, source, storage):
     return lookup
 
 
+def cache_keep(cache, source, storage):
+    """``keep`` putting a peer's hand-off in ``cache`` as a read from this server's own storage would: with a
+    storage that stamps its files, stamped with this server's file, and only if that file has the item's
+    length (else it is another version: declined)."""
+    stamp_of = getattr(storage, "stamp", None) if getattr(storage, "read_stamped", None) is not None else None
+
+    def keep(index: int, data: bytes) -> int:
+        if cache.get(index) is not None:
+            return wire.DECLINED
+        stamp = stamp_of(source.raw_key(index)) if stamp_of is not None else None
+        if stamp_of is not None and (stamp is None or stamp[-1] != len(data)):
+            return wire.DECLINED  # not on this server, or another version of it
+        if cache.put(index, data, stamp):
+            return wire.STORED
+        return wire.FULL if cache.full else wire.DECLINED
+    return keep
+
+
 def serve(cache, source, storage, secret: bytes, host: str, port: int, control) -> None:
-    """The server process: serve ``cache`` on ``host:port``, send ``("port", n)`` on the ``control`` pipe
-    once listening, and exit when the pipe says stop or closes, or the parent dies."""
+    """The server process: serve ``cache`` on ``host:port`` and keep what peers hand it, send ``("port", n)``
+    on the ``control`` pipe once listening, and exit when the pipe says stop or closes, or the parent dies."""
     try:
-        server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port).start()
+        server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
+                            keep=cache_keep(cache, source, storage), max_keep_bytes=cache.capacity_bytes).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return

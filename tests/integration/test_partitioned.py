@@ -127,6 +127,52 @@ def test_later_epochs_read_what_no_server_caches(make_cluster, dataset, tmp_path
         assert total + 2 * (total - cached) <= read <= 1.1 * (3 * total - 2 * cached) + 2**20
 
 
+def test_what_a_full_cache_cannot_take_is_handed_to_a_peer_with_room(make_cluster, dataset, tmp_path):
+    """Server 0's cache holds a quarter of the dataset, server 1's all of it: server 0's overflow of epoch 1
+    goes to server 1 as it is read, so no later epoch reads storage (without hand-offs they would read
+    about a quarter of the dataset again)."""
+    root, crcs, sizes, device = dataset
+    total = sum(sizes)
+    cluster = make_cluster(2, device=device)
+    results = _run(cluster, root, str(tmp_path / "out"), epochs=3, cache_bytes=f"{total // 4},{total}", nproc=2)
+    _check_every_sample_once(results, crcs, 3)
+    assert _epoch_sum(results, 1, "storage_bytes") == total
+    cached = {r["node"]: r["cached_bytes"] for r in results}
+    assert cached[0] <= total // 4 and cached[0] + cached[1] == total  # no item twice, none left out
+    share0 = sum(sizes[i] for r in results if r["node"] == 0 for i, _ in r["epochs"][0]["samples"])
+    handed = sum(p["handed_off_bytes"] for r in results if r["node"] == 0 for p in r["peers"])
+    assert handed > 0 and cached[0] + handed == share0  # server 0's epoch 1: kept, or handed off
+    for epoch in (2, 3):
+        assert _epoch_sum(results, epoch, "storage_bytes") == 0
+    if device is not None:
+        read = [cluster.device_read_bytes(n) for n in range(2)]
+        assert total <= sum(read) <= 1.1 * total + 2**20, read
+
+
+def test_a_servers_map_waits_for_the_hand_offs_of_every_server_that_is_up(make_cluster, dataset, tmp_path):
+    """The race forced: server 0's ranks pause after their first batch of epoch 1 (no workers: they fetch in
+    the training loop), so server 1 finishes epoch 1 and reaches the exchange long before server 0 reads,
+    overflows and hands off the rest of its share. Server 1's map must still hold those hand-offs."""
+    root, crcs, sizes, _ = dataset
+    total = sum(sizes)
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    _run(cluster, root, out, epochs=2, cache_bytes=f"{total // 8},{total}", nproc=2, wait=False,
+         extra=["--workers", "0", "--pause", "1:1:0"])
+    _wait_paused(out, [0, 1])
+    deadline = time.monotonic() + 60
+    while "epoch=1 complete=1" not in cluster.log(1):  # server 1 is through epoch 1
+        assert time.monotonic() < deadline, cluster.log(1)[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)  # ... and at the exchange
+    open(os.path.join(out, "go"), "w").close()
+    results = _results(cluster, out, 2)
+    _check_every_sample_once(results, crcs, 2)
+    handed = sum(p["handed_off"] for r in results if r["node"] == 0 for p in r["peers"])
+    assert handed > 0
+    assert _epoch_sum(results, 2, "storage_bytes") == 0
+
+
 def _wait_paused(out: str, ranks, timeout=120) -> dict:
     deadline = time.monotonic() + timeout
     paths = [os.path.join(out, f"paused-rank{r}") for r in ranks]

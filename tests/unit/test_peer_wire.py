@@ -10,10 +10,13 @@ import zlib
 import pytest
 
 from coordl import _peer_wire as wire
-from coordl.peer_server import PeerServer
+from coordl.minio_cache import MinIOCache, cache_segment_name
+from coordl.peer_server import PeerServer, cache_keep
+from coordl.storage import FileStorage
 
 SECRET = b"s3cret-of-this-job"
 N_ITEMS = 50
+MAX_KEEP = 4096
 
 
 def _item(i: int) -> bytes:
@@ -22,14 +25,21 @@ def _item(i: int) -> bytes:
 
 @pytest.fixture
 def server():
-    """A peer server on loopback holding every even item; records every item it was asked for."""
-    looked_up = []
+    """A peer server on loopback holding every even item; records every item it was asked for, and keeps
+    hand-offs of items below 40 (``kept``), answering FULL for the others."""
+    looked_up, kept = [], {}
 
     def lookup(i):
         looked_up.append(i)
         return _item(i) if i % 2 == 0 else None
-    srv = PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", frame_s=0.5).start()
-    srv.looked_up = looked_up
+
+    def keep(i, data):
+        if i >= 40:
+            return wire.FULL
+        kept[i] = bytes(data)
+        return wire.STORED
+    srv = PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", keep=keep, max_keep_bytes=MAX_KEEP, frame_s=0.5).start()
+    srv.looked_up, srv.kept = looked_up, kept
     yield srv
     srv.close()
 
@@ -95,10 +105,29 @@ def test_a_reply_whose_bytes_do_not_match_their_checksum_is_refused():
     b.close()
 
 
+def test_a_hand_off_is_kept_checked_and_answered_between_requests(server):
+    with _client(server) as conn:
+        wire.send_keep(conn, 3, b"three" * 100)
+        assert wire.read_kept(conn, 3, time.monotonic() + 2) == wire.STORED
+        assert _fetch(conn, [4]) == {4: _item(4)}  # requests and hand-offs share a connection
+        wire.send_keep(conn, 41, b"x")
+        assert wire.read_kept(conn, 41, time.monotonic() + 2) == wire.FULL
+    assert server.kept == {3: b"three" * 100}
+
+
+def _keep_frame(index: int, data: bytes, crc: int | None = None, length: int | None = None) -> bytes:
+    return struct.pack("!4sIII", wire.KEEP, index, len(data) if length is None else length,
+                       zlib.crc32(data) if crc is None else crc) + data
+
+
 def _authenticated_frames(rng: random.Random) -> list[bytes]:
-    """Frames a broken or hostile client might send after a good handshake: none may be served."""
+    """Frames a broken or hostile client might send after a good handshake: none may be served or kept."""
     good = wire.encode_request([0, 2])
     return [
+        _keep_frame(1, b"bytes", crc=zlib.crc32(b"bytes") ^ 1),  # a hand-off whose checksum is wrong
+        _keep_frame(1, b"", length=MAX_KEEP + 1),  # larger than the server takes: refused before it is read
+        _keep_frame(N_ITEMS, b"bytes"),  # an id out of range
+        _keep_frame(1, b"bytes" * 10)[:30],  # truncated, then the client goes quiet
         rng.randbytes(rng.randrange(8, 300)),  # random
         good[:rng.randrange(1, len(good))],  # truncated, then the client goes quiet
         struct.pack("!4sI", wire.REQUEST, wire.MAX_IDS + 1),  # oversized
@@ -124,7 +153,7 @@ def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
             conn.sendall(frame)
             assert _closed_without_data(conn), f"served after {frame[:16]!r}"
             conn.close()
-        assert server.looked_up == []  # nothing was looked up, let alone sent
+        assert server.looked_up == [] and server.kept == {}  # nothing was looked up, let alone sent, nor kept
         assert _fetch(bystander, [6, 7]) == {6: _item(6), 7: None}
     with _client(server) as later:
         assert _fetch(later, [8]) == {8: _item(8)}
@@ -158,3 +187,29 @@ def test_many_clients_at_once_each_get_their_own_items(server):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_it_cannot_vouch_for(tmp_path):
+    """``cache_keep``: the bytes go in the cache with the stamp of this server's file, as its own read would
+    put them; a file it lacks or holds in another length, an item it holds, and a full cache are refused."""
+    files = [tmp_path / f"f{i}" for i in range(4)]
+    for i, f in enumerate(files):
+        f.write_bytes(_item(i))
+
+    class Source:
+        def raw_key(self, i):
+            return str(files[i])
+    storage = FileStorage(drop_page_cache=False)
+    capacity = len(_item(0)) + len(_item(1))
+    with MinIOCache(cache_segment_name(f"keep-{time.monotonic_ns()}"), n_items=4, capacity_bytes=capacity,
+                    fingerprint=bytes(32)) as cache:
+        keep = cache_keep(cache, Source(), storage)
+        assert keep(0, _item(0)) == wire.STORED
+        assert bytes(cache.get(0)) == _item(0) and cache.stamp(0) == storage.stamp(str(files[0]))
+        assert keep(0, _item(0)) == wire.DECLINED  # held already
+        assert keep(1, _item(1) + b"more") == wire.DECLINED  # this server's file is another version
+        files[3].unlink()
+        assert keep(3, _item(3)) == wire.DECLINED  # not on this server
+        assert not cache.full
+        assert keep(2, _item(2)) == wire.FULL  # does not fit: the cache freezes
+        assert cache.full and cache.get(2) is None and cache.get(1) is None
