@@ -1,8 +1,8 @@
 """``sudo python -m benchmarks.partitioned --nodes 2|4 [--quick] --out DIR``: partitioned caching across servers.
 
 Each server is a network and mount namespace of this machine with its own /dev/shm, its own torchrun and
-its own blkio cgroup, which throttles and counts its reads of the dataset's loop device
-(``tests/cluster.py``): N servers with N disks of ``--read-mbps`` each, one rank per server, DDP-style
+its own cgroups: blkio throttles and counts its reads of the dataset's loop device, memory bounds it to
+what its processes hold plus ``--page-cache-mib`` of page cache (``tests/cluster.py``): N servers with N disks of ``--read-mbps`` each, one rank per server, DDP-style
 (an all-reduce after every step of ``--step-ms``). Samples are raw bytes (a crc32, no decode), so storage
 is the bottleneck wherever it is read. Modes, at an aggregate cache (all servers' caches together) of 50%
 and 100% of the dataset:
@@ -21,8 +21,8 @@ and 100% of the dataset:
 Runs are repeated ``--reps`` times in interleaved order. ``results.json`` holds ``dataset_bytes`` and every
 run's epochs (``time_s`` of the slowest server, ``device_read_bytes`` and ``peer_bytes`` of all servers,
 the longest ``stall_s``) and per-server detail; ``results.md`` the summary; ``partitioned.png`` the plot.
-Device bytes are the cgroups' counts: the page cache is kept out by coordl dropping what it reads
-(``drop_page_cache``), which the equality of device bytes and coordl's storage bytes checks.
+Device bytes are the cgroups' counts; each run records every server's memory figures (``memory``: peak
+held, page cache percentiles, limit hits) and says where a page cache broke its budget (``over_budget``).
 """
 
 import argparse
@@ -38,7 +38,7 @@ import time
 from benchmarks import report
 from benchmarks.locality import closed_form
 from benchmarks.metrics import spread
-from benchmarks.storage_env import FS_BLOCK, Cleanup, copy_to_loop_disk, evict_files
+from benchmarks.storage_env import FS_BLOCK, Cleanup, copy_to_loop_disk, evict_files, over_budget
 from coordl._constants import SHM_DIR_ENV
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "partitioned_job.py")
@@ -100,8 +100,10 @@ def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir
         job += ["--pause", "3:1"]
     if point["mode"] == "locality":
         job.append("--locality")
+    budget = int(args.page_cache_mib * 2**20)
     with Cluster(nodes, os.path.join(workdir, "cluster"), device=device, read_bps=args.read_mbps * 10**6,
-                 shm_bytes=2 * cache + 64 * 2**20, isolation="netns") as cluster:
+                 shm_bytes=2 * cache + 64 * 2**20, page_cache_bytes=budget, shm_reserve_bytes=cache,
+                 isolation="netns") as cluster:
         cluster.launch_all(JOB, job, env={"COORDL_PEER_SECRET": secrets.token_hex(16)})
         killed = None
         if point["mode"] == "peer-death":
@@ -110,6 +112,7 @@ def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir
         if codes != [0] * nodes:
             raise RuntimeError(f"{point}: exit codes {codes}\n" + "\n".join(cluster.log(n)[-2000:] for n in range(nodes)))
         left = {n: cluster.shm_left(n) for n in range(nodes) if cluster.shm_left(n)}
+    memory = [{k: v for k, v in m.items() if k != "page_cache_series"} for m in cluster.memory]
     servers = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(nodes)]
     for s in servers:
         for e in s["epochs"]:
@@ -124,10 +127,11 @@ def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir
                        "stall_s": max(st["stall_s"] for st in stats),
                        "longest_wait_s": max(s["epochs"][e]["longest_wait_s"] for s in servers)})
     return {**point, "batch_size": args.batch_size, "epochs": epochs, "killed_peer_server": killed, "shm_left": left,
-            "servers": [{"node": s["node"], "cached_bytes": s["cached_bytes"], "peers": s["peers"],
+            "over_budget": [why for why in (over_budget(m, budget) for m in memory) if why],
+            "servers": [{"node": s["node"], "cached_bytes": s["cached_bytes"], "peers": s["peers"], "memory": m,
                          "epochs": [{**x, **{k: st[k] for k in ("storage_bytes", "peer_bytes", "stall_s", "hits",
                                                                   "misses", "peer_hits")}}
-                                    for x, st in zip(s["epochs"], s["stats"])]} for s in servers]}
+                                    for x, st in zip(s["epochs"], s["stats"])]} for s, m in zip(servers, memory)]}
 
 
 def _kill_peer_server(cluster, out: str, nodes: int, timeout: float = 300) -> int:
@@ -160,6 +164,11 @@ def summarize(runs: list[dict], dataset_bytes: int) -> list[dict]:
                      "later_peer_fraction": spread([e["peer_bytes"] / dataset_bytes for e in later]),
                      "steady_epoch_s": spread(steady),
                      "longest_wait_s": spread([max(e["longest_wait_s"] for e in r["epochs"][1:]) for r in same]),
+                     "handed_off_fraction": spread([sum(p.get("handed_off_bytes", 0) for s in r["servers"]
+                                                        for p in s["peers"] or ()) / dataset_bytes for r in same]),
+                     "page_cache_p99_bytes": max((s["memory"].get("p99_page_cache_bytes", 0) for r in same
+                                                  for s in r["servers"] if s.get("memory")), default=None),
+                     "over_budget": sum(len(r.get("over_budget", [])) for r in same),
                      "beta": closed_form(same[0]["nodes"], same[0]["batch_size"])
                      if key[0] == "locality" else None})
     reference = next((r["steady_epoch_s"]["median"] for r in rows if r["mode"] == "full-local"), None)
@@ -178,18 +187,22 @@ def markdown(rows: list[dict], setup: dict) -> str:
              f"{c['read_mbps']} MB/s per server, {c['reps']} repetition(s)", "",
              f"`{setup['provenance']['command']}` at {setup['provenance']['git_sha']}", "",
              "| mode | aggregate cache | epoch 1 device / D | later epochs device / D | later epochs coordl storage / D "
-             "| later peer / D | steady epoch s | × full-local | × faster than uncoordinated | longest wait s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| later peer / D | handed off / D | steady epoch s | × full-local | × faster than uncoordinated "
+             "| longest wait s | page cache p99 MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     beta = ""
     for r in rows:
         ratio = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+        page_cache = "–" if r["page_cache_p99_bytes"] is None else f"{r['page_cache_p99_bytes'] / 2**20:.1f}"
         lines.append(f"| {r['mode']} | {r['aggregate_cache_fraction']:.0%} | "
                      f"{report.spread_text(r['epoch1_device_fraction'], '.3f')} | "
                      f"{report.spread_text(r['later_device_fraction'], '.3f')} | "
                      f"{report.spread_text(r['later_storage_fraction'], '.3f')} | "
                      f"{report.spread_text(r['later_peer_fraction'], '.3f')} | "
+                     f"{report.spread_text(r['handed_off_fraction'], '.3f')} | "
                      f"{report.spread_text(r['steady_epoch_s'])} | {ratio(r['vs_full_local'])} | "
-                     f"{ratio(r['speedup_vs_uncoordinated'])} | {report.spread_text(r['longest_wait_s'])} |")
+                     f"{ratio(r['speedup_vs_uncoordinated'])} | {report.spread_text(r['longest_wait_s'])} | "
+                     f"{page_cache}{' (over budget)' if r['over_budget'] else ''} |")
         if r["beta"] is not None:
             beta = (f"\nlocality: peer bytes per later epoch {r['later_peer_fraction']['median']:.4f} D against "
                     f"beta = sqrt((1 - 1/p) / (2 pi b)) = {r['beta']:.4f} D (p = {c['nodes']}, b = {c['batch_size']})\n")
@@ -239,6 +252,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="default 3 (quick: 1)")
     parser.add_argument("--read-mbps", type=float, default=2.0, help="each server's storage bandwidth")
     parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--page-cache-mib", type=float, default=8.0, help="each server's page-cache budget")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -274,6 +288,7 @@ def main(argv=None) -> int:
     rows = summarize(runs, dataset_bytes)
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args),
              "dataset_bytes": dataset_bytes, "dataset_on": "loop device, one blkio cgroup per server",
+             "memory": "each server bounded to what its processes hold plus --page-cache-mib of page cache",
              "servers": "network + mount namespaces (tests/cluster.py), torchrun per server"}
     result = {"dataset_bytes": dataset_bytes, "summary": rows, "runs": runs, "setup": setup}
     text = markdown(rows, setup)

@@ -126,8 +126,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         partitioned: in a job that spans several servers (torchrun), make the servers' caches one
             aggregate cache: a local miss is fetched from the server that caches the item before
             storage (see :mod:`coordl.partitioned`). ``"auto"``: on when torch.distributed's
-            environment shows several servers and the cache is on; ``True``: insist (fails without
-            that environment or with ``cache_bytes=0``); ``False``: off. Defaults to ``"auto"``.
+            environment shows several servers and the cache is on (never with ``hp_group``); ``True``:
+            insist (fails without that environment, with ``cache_bytes=0`` or with ``hp_group``);
+            ``False``: off. Defaults to ``"auto"``.
         locality_aware: in a partitioned job with a ``DistributedSampler``, keep every global batch as the
             sampler drew it but give each rank the samples its own server caches (balanced so each rank
             still gets ``batch_size``), so little crosses the network (see :mod:`coordl.locality`). The
@@ -173,6 +174,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if use_dali and dali_device != "cpu":
                 raise ValueError(f"hp_group with backend='dali' needs dali_device='cpu', but got "
                                  f"dali_device={dali_device!r}: the group stages its batches in host shared memory")
+            if partitioned is True:
+                raise ValueError("hp_group cannot be combined with partitioned=True: an hp_group's jobs share one "
+                                 "server's memory, and a partitioned job spans servers with a DistributedSampler, "
+                                 "which an hp_group refuses. Leave partitioned='auto' (off in an hp_group).")
         if cache_name is not None and (not isinstance(cache_name, str) or not cache_name):
             raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
         if backend == "torch":
@@ -186,7 +191,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.hp_group_key, self.partitioned, self.locality_aware = hp_group_key, partitioned, locality_aware
         wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
-                               decode=not use_dali, storage=storage, partitioned=partitioned)
+                               decode=not use_dali, storage=storage,
+                               partitioned=False if hp_group is not None and partitioned == "auto" else partitioned)
         dali = None
         if use_dali:
             from coordl.dali_pipeline import DaliBackend

@@ -8,8 +8,9 @@ In ``netns`` mode (root, ``ip``, ``nsenter`` and ``unshare``) a node is deployed
 - its own mount and UTS namespaces: a fresh tmpfs on /dev/shm (so ``$COORDL_SHM_DIR``, the path the
   test suite gives every test, is private to the node), its own hostname (``cluster.names[i]``) and an
   /etc/hosts that resolves every node's name to its address;
-- its own cgroup (v1 ``blkio``, and ``memory`` if bounded), joined before the command starts, so that
-  every process of the node is counted, bounded and killed with it. Nodes see this machine's /sys (so
+- its own cgroup (v1 ``blkio``, and ``memory`` if bounded: what its processes hold plus a page-cache
+  budget, followed as they grow, as ``benchmarks.storage_env`` bounds one system's run), joined before
+  the command starts, so that every process of the node is counted, bounded and killed with it. Nodes see this machine's /sys (so
   their own cgroup under /sys/fs/cgroup, but this machine's interfaces under /sys/class/net).
 
 Where network namespaces cannot be made, the ``loopback`` mode stands in: node i is 127.0.0.(i+2),
@@ -36,7 +37,8 @@ import time
 
 import pytest
 
-from benchmarks.storage_env import CGROUP_ROOT, _tool, cgroup_version, device_read_bytes, remove_cgroup_dir
+from benchmarks.storage_env import (CGROUP_ROOT, Cgroup, MemoryFollower, _tool, cgroup_version, device_read_bytes,
+                                    remove_cgroup_dir)
 from coordl._constants import SHM_DIR_ENV
 
 NODE_ENV = "CLUSTER_NODE"
@@ -90,8 +92,9 @@ class Cluster:
 
     ``shm_bytes``: size of each node's /dev/shm. ``device`` (``MAJ:MIN``): a block device whose reads
     each node's cgroup counts (:meth:`device_read_bytes`) and, with ``read_bps``, throttles.
-    ``memory_bytes``: each node's memory limit (cgroup v1 ``memory.limit_in_bytes``: RSS, page cache
-    and its /dev/shm). ``isolation``: ``"netns"`` or ``"loopback"`` forces a mode (``"netns"`` raises
+    ``page_cache_bytes`` (with ``device``): bound each node's memory (cgroup v1) to what its processes
+    hold (RSS and its /dev/shm) plus this page cache, with ``shm_reserve_bytes`` of its /dev/shm (its
+    cache) counted from the start; :attr:`memory` holds each node's figures once closed. ``isolation``: ``"netns"`` or ``"loopback"`` forces a mode (``"netns"`` raises
     where it cannot be made); ``"auto"`` falls back to loopback. A context manager: leaving it (also on
     an exception) is :meth:`close`.
 
@@ -100,16 +103,17 @@ class Cluster:
     ``master_port`` (node 0's, torchrun's static rendezvous), ``token`` (in every name made).
 
     Raises:
-        OSError: ``device`` or ``memory_bytes`` given without cgroup v1 as root, or ``isolation="netns"``
+        OSError: ``device`` or ``page_cache_bytes`` given without cgroup v1 as root, or ``isolation="netns"``
             impossible here.
     """
 
     def __init__(self, nodes: int, workdir: str, *, shm_bytes: int = 512 * 2**20, device: str | None = None,
-                 read_bps: int | None = None, memory_bytes: int | None = None, isolation: str = "auto"):
+                 read_bps: int | None = None, page_cache_bytes: int | None = None, shm_reserve_bytes: int = 0,
+                 isolation: str = "auto"):
         if isolation not in ("auto", "netns", "loopback"):
             raise ValueError(f"isolation must be auto, netns or loopback, not {isolation!r}")
-        if read_bps and not device:
-            raise ValueError("read_bps throttles reads from a device: give device")
+        if (read_bps or page_cache_bytes is not None) and not device:
+            raise ValueError("read_bps and page_cache_bytes bound reads from a device: give device")
         self.token = secrets.token_hex(3)
         self.names = [f"cdl{self.token}n{i}" for i in range(nodes)]
         self.hub = f"cdl{self.token}hub"
@@ -120,17 +124,19 @@ class Cluster:
         self._logs = []
         self._netns: list[str] = []
         self._cgroup_dirs: list[list[str]] = [[] for _ in range(nodes)]
+        self._followers: list[MemoryFollower] = []
+        self.memory: list[dict] = []
         self._node_shm_dirs: list[str] = []
         self._closed = False
         os.makedirs(workdir, exist_ok=True)
         atexit.register(self.close)
         try:
-            self._setup(nodes, isolation, memory_bytes)
+            self._setup(nodes, isolation, page_cache_bytes, shm_reserve_bytes)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, nodes: int, isolation: str, memory_bytes: int | None) -> None:
+    def _setup(self, nodes: int, isolation: str, page_cache_bytes: int | None, shm_reserve_bytes: int) -> None:
         why = ["requested"] if isolation != "auto" else []
         no_private = _private_namespaces() if os.geteuid() == 0 else "not root"
         self.mode, subnet = "loopback", f"10.213.{_RNG.randint(1, 250)}"
@@ -158,7 +164,7 @@ class Cluster:
         with open(os.path.join(self.workdir, "hosts"), "w") as f:
             f.write("127.0.0.1 localhost\n::1 localhost\n")
             f.writelines(f"{addr} {name}\n" for addr, name in zip(self.addresses, self.names))
-        if not self._make_cgroups(memory_bytes):
+        if not self._make_cgroups(page_cache_bytes, shm_reserve_bytes):
             why.append("no cgroups (not root, or not cgroup v1)")
         self.why = "; ".join(why)
         self.master_addr = self.addresses[0]
@@ -178,25 +184,25 @@ class Cluster:
             _tool("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "eth0")
             _tool("ip", "-n", ns, "link", "set", "eth0", "up")
 
-    def _make_cgroups(self, memory_bytes: int | None) -> bool:
+    def _make_cgroups(self, page_cache_bytes: int | None, shm_reserve_bytes: int) -> bool:
         """Each node's cgroups; False where they cannot be made."""
         if os.geteuid() != 0 or cgroup_version() != 1:
-            if self.device or memory_bytes:
+            if self.device or page_cache_bytes is not None:
                 raise OSError("device counting and memory bounds need root and cgroup v1 (blkio, memory)")
             return False
         for i, name in enumerate(self.names):
+            if page_cache_bytes is not None:  # memory and blkio, bounded as they grow
+                group = Cgroup(name, 1, self.device, self.read_bps or COUNT_ONLY_BPS, page_cache_bytes,
+                               shm_reserve_bytes=shm_reserve_bytes)
+                self._cgroup_dirs[i] += group.dirs
+                self._followers.append(MemoryFollower(group).start())
+                continue
             blkio = os.path.join(CGROUP_ROOT, "blkio", name)
             os.mkdir(blkio)
             self._cgroup_dirs[i].append(blkio)
             if self.device:
                 with open(os.path.join(blkio, "blkio.throttle.read_bps_device"), "w") as f:
                     f.write(f"{self.device} {self.read_bps or COUNT_ONLY_BPS}\n")
-            if memory_bytes:
-                memory = os.path.join(CGROUP_ROOT, "memory", name)
-                os.mkdir(memory)
-                self._cgroup_dirs[i].append(memory)
-                with open(os.path.join(memory, "memory.limit_in_bytes"), "w") as f:
-                    f.write(f"{memory_bytes}\n")
         return True
 
     def _free_port(self) -> int:
@@ -347,8 +353,9 @@ class Cluster:
         """Bytes ``node``'s processes read from ``device`` (``MAJ:MIN``, given at construction)."""
         if not self.device:
             raise ValueError("no device given to the cluster")
+        blkio = next(d for d in self._cgroup_dirs[node] if f"{os.sep}blkio{os.sep}" in d)
         return device_read_bytes({"kind": "cgroup1", "device": self.device,
-                                  "file": os.path.join(self._cgroup_dirs[node][0], "blkio.throttle.io_service_bytes")})
+                                  "file": os.path.join(blkio, "blkio.throttle.io_service_bytes")})
 
     def _delete_netns(self) -> list[str]:
         """Delete the namespaces made; what ``ip`` said where it failed."""
@@ -368,6 +375,7 @@ class Cluster:
             return
         self._closed = True
         atexit.unregister(self.close)
+        self.memory = [follower.stop() for follower in self._followers]  # lifts the bounds too
         for d in [d for dirs in self._cgroup_dirs for d in dirs if self.read_bps and "/blkio/" in d]:
             with contextlib.suppress(OSError), open(os.path.join(d, "blkio.throttle.read_bps_device"), "w") as f:
                 f.write(f"{self.device} 0\n")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.storage_env import Cleanup, copy_to_loop_disk, evict_files
+from benchmarks.storage_env import SLACK_BYTES, Cleanup, copy_to_loop_disk, evict_files
 from tests.cluster import make_cluster  # noqa: F401 (a fixture)
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cluster_job.py")
@@ -135,4 +135,31 @@ def test_device_reads_are_counted_per_node(make_cluster, tmp_path):
         assert cluster.device_read_bytes(0) >= 4 * 2**20
         assert cluster.device_read_bytes(1) == 0
         cluster.close()  # before the disk is unmounted
+    assert_nothing_left(cluster)
+
+
+def test_a_nodes_page_cache_is_held_to_its_budget(make_cluster, tmp_path):
+    """A node bounded to 8 MiB of page cache reads a 32 MiB file twice at 20 MB/s: the kernel cannot keep
+    it, so the second pass reads the device again; the page cache is squeezed back to its budget and slack
+    whenever it outgrows them (by a read-ahead window between two looks)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    size = 32 * 2**20
+    (data / "blob").write_bytes(os.urandom(size))
+    with Cleanup() as cleanup:
+        try:
+            disk = copy_to_loop_disk(cleanup, str(tmp_path), str(data))
+            cluster = make_cluster(1, device=disk.device, read_bps=20 * 10**6, page_cache_bytes=8 * 2**20)
+        except OSError as e:
+            pytest.skip(f"no loop device or memory cgroup: {e}")
+        evict_files(disk.root)
+        blob = os.path.join(disk.root, "blob")
+        reader = cluster.exec(0, ["sh", "-c", f"cat {blob} > /dev/null; cat {blob} > /dev/null"])
+        assert reader.wait(RUN_S) == 0
+        read = cluster.device_read_bytes(0)
+        cluster.close()  # before the disk is unmounted
+    assert read >= 1.8 * size, read
+    memory = cluster.memory[0]
+    assert memory["samples"] > 0 and memory["p50_page_cache_bytes"] <= 8 * 2**20 + SLACK_BYTES + 2**20, memory
+    assert memory["peak_page_cache_bytes"] < 0.75 * size, memory
     assert_nothing_left(cluster)

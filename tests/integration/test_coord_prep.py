@@ -338,3 +338,18 @@ def test_a_state_saved_mid_epoch_resumes_the_group_at_the_next_epoch_and_says_so
             loader.load_state_dict(state)
         plan = [batch[0].tolist() for batch in loader]
     assert plan == coordl.coord_prep.epoch_plan(N, 4, False, True, state["hp_group"]["seed"], 2)
+
+
+def test_an_hp_group_in_a_multi_server_environment_stays_on_its_server(tmp_path, index_root, monkeypatch):
+    """torchrun's variables of a 2-server job around an hp_group member: ``partitioned="auto"`` starts no peer
+    tier (no store is contacted: the master address leads nowhere), and insisting is refused up front."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "192.0.2.1",
+                        "MASTER_PORT": "9"}.items():
+        monkeypatch.setenv(name, value)
+    dataset = _procs.IndexFiles(index_root, N)
+    with coordl.DataLoader(dataset, batch_size=4, shuffle=True, hp_group=_group()) as loader:
+        assert loader.dataset.peers is None
+        assert sorted(i for batch in loader for i in batch[0].tolist()) == list(range(N))
+    with pytest.raises(ValueError, match="hp_group cannot be combined with partitioned=True"):
+        coordl.DataLoader(dataset, batch_size=4, shuffle=True, hp_group=_group(), partitioned=True)

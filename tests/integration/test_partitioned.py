@@ -173,6 +173,39 @@ def test_a_servers_map_waits_for_the_hand_offs_of_every_server_that_is_up(make_c
     assert _epoch_sum(results, 2, "storage_bytes") == 0
 
 
+def test_a_server_holding_only_the_files_it_caches_reads_the_rest_from_its_peer(make_cluster, dataset, tmp_path):
+    """After epoch 1, server 1's copy of the dataset shrinks to the files its cache holds (in its own mount
+    namespace: a tmpfs over the dataset, each kept file bound back in place, its inode and times unchanged).
+    Later epochs take everything else from server 0, never touching a file server 1 lacks."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    if not cluster.private:
+        pytest.skip(f"hiding files from one server needs private mount namespaces ({cluster.why})")
+    batches = -(-len(sizes) // 2 // 8)
+    _run(cluster, root, out, epochs=3, cache_bytes=sum(sizes), nproc=1, wait=False,
+         extra=["--pause", f"1:{batches}:1"])
+    cached = _wait_paused(out, [1])[1]["cached"]
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+    kept = [os.path.relpath(files[i], root) for i in cached]
+    assert 0 < len(kept) < len(files)
+    side = str(tmp_path / "side")
+    os.mkdir(side)
+    binds = "".join(f"mkdir -p \"$(dirname {root}/{k})\"; touch {root}/{k}; mount --bind {side}/{k} {root}/{k}\n"
+                    for k in kept)
+    script = f"set -e\nmount --bind {root} {side}\nmount -t tmpfs hide {root}\n{binds}"
+    assert cluster.exec(1, ["sh", "-c", script]).wait(60) == 0
+    missing = files[next(i for i in range(len(files)) if i not in set(cached))]
+    assert cluster.exec(1, ["test", "-e", missing]).wait(10) == 1  # gone, for server 1 only
+    assert os.path.exists(missing)
+    open(os.path.join(out, "go"), "w").close()
+    results = _results(cluster, out, 1)
+    _check_every_sample_once(results, crcs, 3)
+    for epoch in (2, 3):
+        stats = results[1]["stats"][epoch - 1]
+        assert stats["storage_bytes"] == 0 and stats["peer_hits"] > 0 and stats["hits"] > 0
+
+
 def _wait_paused(out: str, ranks, timeout=120) -> dict:
     deadline = time.monotonic() + timeout
     paths = [os.path.join(out, f"paused-rank{r}") for r in ranks]
