@@ -88,7 +88,9 @@ def main() -> None:
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=5)
     node = int(os.environ.get("GROUP_RANK", rank))
     per_node = args.cache_bytes.split(",")
-    cache_bytes = per_node[node % len(per_node)]
+    if len(per_node) not in (1, int(os.environ.get("GROUP_WORLD_SIZE", 1))):
+        parser.error(f"--cache-bytes gives {len(per_node)} sizes for {os.environ.get('GROUP_WORLD_SIZE')} servers")
+    cache_bytes = per_node[node] if len(per_node) > 1 else per_node[0]
     cache_bytes = cache_bytes if cache_bytes == "auto" else int(cache_bytes)
     partitioned = {"auto": "auto", "true": True, "false": False}[args.partitioned]
     pause = tuple(int(v) for v in args.pause.split(":")) if args.pause else None

@@ -19,10 +19,13 @@ each reply names the id it asked for, in order, and that the bytes match their c
 A client may also hand the server an item to keep (see ``partitioned`` NOTE [ Hand-off ]):
   keep     ``!4sIII`` (``KEEP`` magic, id, length, crc32) + the bytes
   answer   ``!4sIB`` (``KEPT`` magic, id, outcome): ``STORED``, ``FULL`` (its cache takes no more) or
-           ``DECLINED`` (held already, or its own copy of the file differs)
-The server checks the id, the length and the checksum before it keeps a byte.
+           ``DECLINED`` (held already, or its own copy of the file has another length)
+The server decides from the header whether it would keep the item: only then does it read the bytes
+into memory (at most its own file's length) and check their checksum; else it reads past them in small
+chunks. So a hand-off never makes a server hold more than an item it would cache anyway.
 """
 
+import collections
 import hashlib
 import hmac
 import secrets
@@ -50,6 +53,12 @@ _ITEM = struct.Struct("!IBII")
 _KEEP_TAIL = struct.Struct("!II")  # after _FRAME(KEEP, id): length, crc32
 _KEPT = struct.Struct("!4sIB")
 _SEND_CHUNK = 1 << 20
+_SKIP_CHUNK = 1 << 16
+MIN_RATE = 10**7
+"""Bytes per second a client must at least keep up within a frame's body (on top of ``frame_s``)."""
+
+Handoff = collections.namedtuple("Handoff", "index length crc")
+"""A hand-off's header; its bytes follow on the connection (:func:`read_handoff`)."""
 
 
 class PeerProtocolError(ConnectionError):
@@ -107,12 +116,12 @@ def encode_request(ids) -> bytes:
     return _FRAME.pack(REQUEST, len(ids)) + struct.pack(f"!{len(ids)}I", *ids)
 
 
-def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float | None, frame_s: float,
-                 max_keep_bytes: int = MAX_ITEM_BYTES) -> list[int] | tuple[int, bytes] | None:
-    """The next request: its ids (a list), or a hand-off's ``(id, bytes)`` (checked), or None when the
-    client closed between requests. Raises ``PeerProtocolError`` for a bad frame, an id out of
-    ``range(n_items)``, a hand-off over ``max_keep_bytes`` or whose bytes do not match their checksum,
-    ``TimeoutError`` when a started frame takes more than ``frame_s`` (a slow client)."""
+def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float | None,
+                 frame_s: float) -> list[int] | Handoff | None:
+    """The next request: its ids (a list), or a hand-off's header (its bytes not read yet: see
+    :func:`read_handoff`), or None when the client closed between requests. Raises ``PeerProtocolError``
+    for a bad frame or an id out of ``range(n_items)``, ``TimeoutError`` when a started frame takes more
+    than ``frame_s`` (a slow client)."""
     try:
         first = recv_exact(sock, 1, first_byte_deadline)
     except ConnectionError:
@@ -121,12 +130,9 @@ def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float |
     magic, count = _FRAME.unpack(first + recv_exact(sock, _FRAME.size - 1, deadline))
     if magic == KEEP:
         length, crc = _KEEP_TAIL.unpack(recv_exact(sock, _KEEP_TAIL.size, deadline))
-        if count >= n_items or length > min(max_keep_bytes, MAX_ITEM_BYTES):
+        if count >= n_items or length > MAX_ITEM_BYTES:
             raise PeerProtocolError(f"hand-off of item {count} ({length} bytes) out of range")
-        data = recv_exact(sock, length, time.monotonic() + frame_s + length / 1e7)  # at least 10 MB/s
-        if zlib.crc32(data) != crc:
-            raise PeerProtocolError(f"hand-off of item {count}: checksum mismatch ({length} bytes)")
-        return count, data
+        return Handoff(count, length, crc)
     if magic != REQUEST:
         raise PeerProtocolError(f"bad request magic {magic!r}")
     if not 0 < count <= MAX_IDS:
@@ -135,6 +141,21 @@ def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float |
     if max(ids) >= n_items:
         raise PeerProtocolError(f"item id {max(ids)} out of range (the dataset has {n_items})")
     return list(ids)
+
+
+def read_handoff(sock: socket.socket, handoff: Handoff, frame_s: float, keep: bool) -> bytes | None:
+    """The bytes of ``handoff`` (``keep``: read and checked against its checksum, else ``PeerProtocolError``),
+    or None after reading past them in small chunks (``keep=False``)."""
+    deadline = time.monotonic() + frame_s + handoff.length / MIN_RATE
+    if keep:
+        data = recv_exact(sock, handoff.length, deadline)
+        if zlib.crc32(data) != handoff.crc:
+            raise PeerProtocolError(f"hand-off of item {handoff.index}: checksum mismatch ({handoff.length} bytes)")
+        return data
+    left = handoff.length
+    while left:
+        left -= len(recv_exact(sock, min(left, _SKIP_CHUNK), deadline))
+    return None
 
 
 def send_keep(sock: socket.socket, index: int, data) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import io
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -40,20 +41,25 @@ def _track(pipe):
     return pipe
 
 
-_gc_was_enabled = True
+_fork_gc = {"depth": 0, "was_enabled": True, "lock": threading.Lock()}
+"""Forks in progress in this process, and whether collection was on before the first of them."""
 
 
 def _pause_gc_for_fork() -> None:
     """Before ``fork``: no garbage collection until the child has disowned the pipelines (the other
-    at-fork handlers, run first in the child, may trigger one)."""
-    global _gc_was_enabled
-    _gc_was_enabled = gc.isenabled()
-    gc.disable()
+    at-fork handlers, run first in the child, may trigger one). Threads forking at once share the pause."""
+    with _fork_gc["lock"]:
+        if _fork_gc["depth"] == 0:
+            _fork_gc["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _fork_gc["depth"] += 1
 
 
-def _resume_gc() -> None:
-    if _gc_was_enabled:
-        gc.enable()
+def _resume_gc_in_parent() -> None:
+    with _fork_gc["lock"]:
+        _fork_gc["depth"] -= 1
+        if _fork_gc["depth"] == 0 and _fork_gc["was_enabled"]:
+            gc.enable()
 
 
 def _disown_pipelines_in_child() -> None:
@@ -66,10 +72,13 @@ def _disown_pipelines_in_child() -> None:
         if native is not None:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))  # never destroyed in this process
             pipe._pipe = None
-    _resume_gc()
+    _fork_gc.update(depth=0, lock=threading.Lock())  # only the forking thread lives on here
+    if _fork_gc["was_enabled"]:
+        gc.enable()
 
 
-os.register_at_fork(before=_pause_gc_for_fork, after_in_parent=_resume_gc, after_in_child=_disown_pipelines_in_child)
+os.register_at_fork(before=_pause_gc_for_fork, after_in_parent=_resume_gc_in_parent,
+                    after_in_child=_disown_pipelines_in_child)
 
 
 def dali_available() -> bool:

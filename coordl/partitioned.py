@@ -37,15 +37,20 @@ once), logged once, and its items come from storage; every epoch start tries it 
 NOTE [ Hand-off ]
 A server's share of an epoch is random, so with an aggregate cache of about the dataset some caches
 fill before their server's share is in while others keep room: without help, what overflowed would be
-read from storage again in later epochs. So a process that reads an item from storage while its node's
-cache is full hands the bytes (in the background, never delaying the batch) to the next server, in
-turn, that still takes items; that server keeps them as if read from its own storage (stamped with its
-own copy of the file, declined if that differs), and the next map exchange makes it the owner. A server
-that answers ``FULL`` (or whose map says frozen) gets no more. The aggregate cache thus fills up to the
-sum of the capacities, and storage is read once. A queue of at most ``HANDOFF_QUEUE_BYTES`` per process
-waits for the sender: past it, an item is not handed off (it is read again later, as without help). A
-process drains its queue before it exits (a torch worker at its epoch's end) and a rank before it starts
-an epoch, so the next exchange's maps hold what was handed off.
+read from storage again in later epochs. So a process that reads an item no server holds from storage
+while its node's cache is full hands the bytes (in the background, never delaying the batch) to the
+next server, in turn, that still takes items; that server keeps them as if read from its own storage
+(stamped with its own copy of the file, declined if that has another length, is missing, or the item
+is held already), and the next map exchange makes it the owner. A server that answers ``FULL`` (or
+whose map says frozen) gets no more; one that fails a hand-off gets no more from that process (its
+reads are not affected). A process drains its queue (for at most ``HANDOFF_DRAIN_S``) before it exits,
+as a torch worker does at its epoch's end, and a rank before it starts an epoch; every live server's
+ranks must have started the epoch before any map is taken. So the caches fill up to the sum of their
+capacities in epoch 1 and storage is read once, except for what was not handed off in time: an item
+past the per-process queue of ``HANDOFF_QUEUE_BYTES``, or the last hand-offs of persistent workers
+(which do not exit between epochs) still on their way when the map is taken. Those are read from
+storage again in the next epoch, as without hand-offs (a server with room then caches them; one that
+received a late hand-off may hold a second copy, wasted capacity, never a wrong byte).
 
 NOTE [ Security ]
 Peers authenticate each connection with HMAC challenge-response over a per-job secret (see
@@ -99,6 +104,8 @@ _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "
 PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns", "handed_off", "handed_off_bytes")
 HANDOFF_QUEUE_BYTES = 64 * 2**20
 """Bytes a process's hand-offs may queue for its sender (NOTE [ Hand-off ])."""
+HANDOFF_IDLE_S = 1.0
+"""How long a sender keeps its connections with nothing to hand off."""
 HANDOFF_DRAIN_S = 4.0
 """How long an exiting process (or a rank starting an epoch) waits for its hand-offs: less than torch gives
 an exiting worker before terminating it (5 s)."""
@@ -287,10 +294,12 @@ class PeerTier:
         self._threads = None  # (pid, threading.local, every thread's connections): see _connections
         self._hand_off = None  # (pid, _HandOff): this process's sender
         self._address_wait_s = 0.0  # how long this process's sender has waited for peer addresses
+        self._refused: set[int] = set()  # servers this process's sender stopped handing off to
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
             self._server = _start_server(cache, source, storage, self.secret, topology, sum(_loaders_built.values()) - 1)
             host, port = self._server.address
+            self.state.set_address(topology.node, f"{host}:{port}")  # checks that it fits, here where it is made
             self._store.set(f"addr/{topology.node}", f"{host}:{port}")
 
     def __getstate__(self) -> dict:
@@ -402,26 +411,19 @@ class PeerTier:
 
     def _learn_address(self, node: int, deadline: float) -> bool:
         """Whether ``node``'s address is known (learnt from the store by ``deadline``)."""
-        if self.state.address(node) is not None:
-            return True
-        if not self._wait([f"addr/{node}"], deadline):
-            return False
-        address = bytes(self._store.get(f"addr/{node}")).decode()
-        self.state.set_address(node, address)
-        return True
+        return self.state.address(node) is not None or _read_address(self._store, self.state, node, deadline)
 
     def _learn_addresses(self, nodes: list[int]) -> None:
         """In a thread of its own (with its own store client): learn ``nodes``' addresses as they appear, for
         at most ``COORDL_PEER_EXCHANGE_S``."""
         try:
             store = _store(self.topology, self.prefix)
-            deadline = time.monotonic() + self.exchange_s
-            for node in nodes:
-                key = f"addr/{node}"
-                store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-                self.state.set_address(node, bytes(store.get(key)).decode())
-        except Exception as e:  # a timeout (DistStoreError), or the job's store gone: hand-offs skip that server
+        except Exception as e:  # the job's store gone: hand-offs skip the servers not known yet
             logger.debug("coordl partitioned caching: peer addresses not learnt: %s", e)
+            return
+        deadline = time.monotonic() + self.exchange_s
+        for node in nodes:
+            _read_address(store, self.state, node, deadline)
 
     # -- any process: the read path ------------------------------------------------------------------------
 
@@ -453,23 +455,27 @@ class PeerTier:
         """Offer ``index``'s bytes, just read from storage while this node's cache is full, to a peer whose
         cache still takes items (in the background: see NOTE [ Hand-off ])."""
         full, down = self.state.full.numpy(), self.state.down.numpy()
-        if all(full[n] or down[n] for n in range(self.topology.nodes) if n != self.topology.node):
+        if self.state.owner[index] >= 0:  # a server holds it (down, or its copy stale): no second copy
+            return
+        if all(full[n] or down[n] or n in self._refused for n in range(self.topology.nodes) if n != self.topology.node):
             return
         pid = os.getpid()
         with _threads_lock:
             if self._hand_off is None or self._hand_off[0] != pid:
-                self._hand_off, self._address_wait_s = (pid, _HandOff(self._hand_to_a_peer)), 0.0
+                self._hand_off = (pid, _HandOff(self._hand_to_a_peer, self._close_thread_connections))
+                self._address_wait_s, self._refused = 0.0, set()
         self._hand_off[1].offer(index, raw)
 
     def _hand_to_a_peer(self, index: int, raw: bytes) -> None:
         """In the sender thread: give ``index`` to the first server after this one that keeps it. While no
         server that may take it has an address yet (at the first epoch's start, servers come up together),
-        it waits for one, for at most :data:`HANDOFF_DRAIN_S` in this process's life."""
+        it waits for one, for at most :data:`HANDOFF_DRAIN_S` in this process's life. A server that fails a
+        hand-off (slow, gone, broken) gets no more from this process; reads find out for themselves."""
         t, state = self.topology, self.state
         row = self.counters_row()
         while True:
             candidates = [(t.node + step) % t.nodes for step in range(1, t.nodes)]
-            candidates = [n for n in candidates if not state.full[n] and not state.down[n]]
+            candidates = [n for n in candidates if not state.full[n] and not state.down[n] and n not in self._refused]
             if not candidates or any(state.address(n) is not None for n in candidates):
                 break
             if self._address_wait_s >= HANDOFF_DRAIN_S:
@@ -477,14 +483,16 @@ class PeerTier:
             time.sleep(0.05)
             self._address_wait_s += 0.05
         for node in candidates:
-            if state.full[node] or state.down[node] or state.address(node) is None:
+            if state.full[node] or state.down[node] or node in self._refused or state.address(node) is None:
                 continue
             try:
                 conn = self._connection(node)
                 wire.send_keep(conn, index, raw)
                 outcome = wire.read_kept(conn, index, time.monotonic() + self.timeout_s)
             except (OSError, wire.PeerProtocolError) as e:
-                self._mark_down(node, e)
+                self._refused.add(node)
+                self._close_connection(node)
+                logger.debug("coordl partitioned caching: no more hand-offs to server %d: %s", node, e)
                 continue
             if outcome == wire.FULL:
                 state.full[node] = 1
@@ -493,6 +501,16 @@ class PeerTier:
                 row[node, _HANDED] += 1
                 row[node, _HANDED_BYTES] += len(raw)
             return
+
+    def _close_connection(self, node: int) -> None:
+        conn = self._connections().pop(node, None)
+        if conn is not None:
+            conn.close()
+
+    def _close_thread_connections(self) -> None:
+        """Close the calling thread's connections (the sender's, once its queue is empty)."""
+        for node in list(self._connections()):
+            self._close_connection(node)
 
     def _connections(self) -> dict[int, socket.socket]:
         """This thread's connections to the peers, by server: a socket is never shared by threads (the DALI
@@ -525,9 +543,7 @@ class PeerTier:
         return conn
 
     def _mark_down(self, node: int, error: BaseException) -> None:
-        conn = self._connections().pop(node, None)
-        if conn is not None:
-            conn.close()
+        self._close_connection(node)
         if not self.state.down[node]:
             self.state.down[node] = 1
             self._say_down(node, f"{type(error).__name__}: {error}")
@@ -549,7 +565,8 @@ class PeerTier:
         return table[own_row(len(table))]
 
     def peer_stats(self) -> list[dict]:
-        """Per peer: its address, whether it is down, and the items, bytes, requests and mean wait per request."""
+        """Per peer: its address, whether it is down, the items, bytes, requests and mean wait per request it
+        served, and the items (and bytes) this rank's processes handed off to it."""
         totals = self.state.counters.sum(dim=0).numpy()
         out = []
         for node in range(self.topology.nodes):
@@ -567,6 +584,9 @@ class PeerTier:
         """Close this process's connections; in the training process, say that this rank is done, and, where
         this rank runs the node's peer server, keep serving until every rank of the other live servers is done
         too (at most ``CLOSE_WAIT_S``), then stop it."""
+        if self._hand_off is not None and self._hand_off[0] == os.getpid():
+            self._hand_off[1].close()
+            self._hand_off = None
         threads = self._threads
         if threads is not None and threads[0] == os.getpid():
             for conns in threads[2]:
@@ -591,44 +611,61 @@ class PeerTier:
 
 
 class _HandOff:
-    """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw)``; drained
-    (for at most :data:`HANDOFF_DRAIN_S`) before the process exits, as a torch worker does at its epoch's end."""
+    """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw)`` (calling
+    ``idle()`` once the queue has stayed empty for :data:`HANDOFF_IDLE_S`); drained (for at most :data:`HANDOFF_DRAIN_S`) before the
+    process exits, as a torch worker does at its epoch's end, or when closed."""
 
-    def __init__(self, send):
-        self._send, self._queue, self._bytes, self._busy = send, collections.deque(), 0, False
+    def __init__(self, send, idle):
+        self._send, self._idle = send, idle
+        self._queue, self._bytes, self._busy, self._stopped = collections.deque(), 0, False, False
         self._ready = threading.Condition()
         threading.Thread(target=self._run, name="coordl-hand-off", daemon=True).start()
-        multiprocessing.util.Finalize(self, self.drain, exitpriority=0)
+        self._finalizer = multiprocessing.util.Finalize(self, self.drain, exitpriority=0)
 
-    def offer(self, index: int, raw) -> bool:
-        """Queue ``raw`` unless :data:`HANDOFF_QUEUE_BYTES` are queued already; whether it was."""
+    def offer(self, index: int, raw) -> None:
+        """Queue ``raw`` unless :data:`HANDOFF_QUEUE_BYTES` are queued already (then it is dropped)."""
         with self._ready:
-            if self._bytes + len(raw) > HANDOFF_QUEUE_BYTES:
-                return False
-            self._queue.append((index, raw))
-            self._bytes += len(raw)
+            if self._bytes + len(raw) <= HANDOFF_QUEUE_BYTES:
+                self._queue.append((index, raw))
+                self._bytes += len(raw)
+                self._ready.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every queued item is handed off, for at most :data:`HANDOFF_DRAIN_S`."""
+        with self._ready:
+            self._ready.wait_for(lambda: not self._queue and not self._busy, HANDOFF_DRAIN_S)
+
+    def close(self) -> None:
+        """Drain, then stop the thread."""
+        self.drain()
+        self._finalizer.cancel()
+        with self._ready:
+            self._stopped = True
+            self._queue.clear()
             self._ready.notify_all()
-        return True
-
-    def drain(self, timeout_s: float = None) -> bool:
-        """Wait until every queued item is handed off (at most ``timeout_s``, default
-        :data:`HANDOFF_DRAIN_S`); whether it was."""
-        with self._ready:
-            return self._ready.wait_for(lambda: not self._queue and not self._busy,
-                                        HANDOFF_DRAIN_S if timeout_s is None else timeout_s)
 
     def _run(self) -> None:
+        connected = False
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: self._queue)
-                index, raw = self._queue.popleft()
-                self._bytes -= len(raw)
-                self._busy = True
+                woke = self._ready.wait_for(lambda: bool(self._queue) or self._stopped,
+                                            HANDOFF_IDLE_S if connected else None)
+                if self._stopped:
+                    return
+                if woke:
+                    index, raw = self._queue.popleft()
+                    self._bytes -= len(raw)
+                    self._busy = True
+            if not woke:  # nothing to hand off for a while: let go of the connections
+                self._idle()
+                connected = False
+                continue
             try:
                 self._send(index, raw)
             except Exception:  # a hand-off is a favour: losing one costs a later storage read, not a sample
                 logger.debug("coordl partitioned caching: handing off item %d failed", index, exc_info=True)
             finally:
+                connected = True
                 with self._ready:
                     self._busy = False
                     self._ready.notify_all()
@@ -711,6 +748,21 @@ def _start_server(cache, source, storage, secret: bytes, topology: Topology, ord
     logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
                 topology.nodes, *server.address)
     return server
+
+
+def _read_address(store, state: PeerState, node: int, deadline: float) -> bool:
+    """Whether ``node``'s address appeared in ``store`` by ``deadline`` (then recorded in ``state``)."""
+    key = f"addr/{node}"
+    try:
+        left = deadline - time.monotonic()
+        if left > 0:
+            store.wait([key], datetime.timedelta(seconds=left))
+        elif not store.check([key]):
+            return False
+        state.set_address(node, bytes(store.get(key)).decode())
+        return True
+    except Exception:  # torch raises DistStoreError (a RuntimeError) on a timeout, or the store is gone
+        return False
 
 
 def _names_digest(source) -> str:

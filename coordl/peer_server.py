@@ -31,13 +31,11 @@ MAX_CLIENTS = 512
 class PeerServer:
     """Serves ``lookup(index) -> bytes-like | None`` for ids in ``range(n_items)`` to clients that know
     ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes their
-    hand-offs with ``keep(index, bytes) -> wire outcome`` (None: declines every one), of at most
-    ``max_keep_bytes`` each."""
+    hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one)."""
 
-    def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keep=None,
-                 max_keep_bytes: int = wire.MAX_ITEM_BYTES, frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
-        self.lookup, self.n_items, self.secret = lookup, n_items, secret
-        self.keep, self.max_keep_bytes = keep, max_keep_bytes
+    def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
+                 frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
+        self.lookup, self.n_items, self.secret, self.keeper = lookup, n_items, secret, keeper
         self.frame_s, self.max_clients = frame_s, max_clients
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          backlog=128)
@@ -68,13 +66,11 @@ class PeerServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S)
             while True:
-                request = wire.read_request(conn, self.n_items, time.monotonic() + IDLE_S, self.frame_s,
-                                            self.max_keep_bytes)
+                request = wire.read_request(conn, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
                 if request is None:
                     return
-                if isinstance(request, tuple):
-                    index, data = request
-                    wire.send_kept(conn, index, self.keep(index, data) if self.keep else wire.DECLINED)
+                if isinstance(request, wire.Handoff):
+                    self._take(conn, request)
                 else:
                     wire.send_reply(conn, [(i, self.lookup(i)) for i in request])
         except (OSError, wire.PeerProtocolError) as e:  # TimeoutError and ConnectionError are OSErrors
@@ -83,6 +79,14 @@ class PeerServer:
             with self._lock:
                 self._clients.discard(conn)
             conn.close()
+
+    def _take(self, conn: socket.socket, handoff: "wire.Handoff") -> None:
+        """Answer a hand-off: its bytes are read only if the keeper would keep an item of that length."""
+        outcome = self.keeper.admit(handoff.index, handoff.length) if self.keeper else wire.DECLINED
+        data = wire.read_handoff(conn, handoff, self.frame_s, keep=outcome == wire.STORED)
+        if data is not None:
+            outcome = self.keeper.keep(handoff.index, data)
+        wire.send_kept(conn, handoff.index, outcome)
 
     def close(self) -> None:
         self._closed = True
@@ -108,22 +112,35 @@ def cache_lookup(cache, source, storage):
     return lookup
 
 
-def cache_keep(cache, source, storage):
-    """``keep`` putting a peer's hand-off in ``cache`` as a read from this server's own storage would: with a
-    storage that stamps its files, stamped with this server's file, and only if that file has the item's
-    length (else it is another version: declined)."""
-    stamp_of = getattr(storage, "stamp", None) if getattr(storage, "read_stamped", None) is not None else None
+class CacheKeeper:
+    """Puts peers' hand-offs in ``cache`` as a read from this server's own storage would: with a storage
+    that stamps its files, stamped with this server's file, and only if that file has the item's length
+    (else it is another version, or missing here: declined). Authenticated peers are trusted with the
+    bytes, as readers trust what peers serve them: checksums guard the transport, not intent."""
 
-    def keep(index: int, data: bytes) -> int:
+    def __init__(self, cache, source, storage):
+        self.cache, self.source = cache, source
+        self._stamp = getattr(storage, "stamp", None) if getattr(storage, "read_stamped", None) is not None else None
+
+    def admit(self, index: int, length: int) -> int:
+        """``STORED`` if an item of ``length`` bytes would be kept (send its bytes), else ``FULL`` or ``DECLINED``."""
+        cache = self.cache
         if cache.get(index) is not None:
             return wire.DECLINED
-        stamp = stamp_of(source.raw_key(index)) if stamp_of is not None else None
-        if stamp_of is not None and (stamp is None or stamp[-1] != len(data)):
-            return wire.DECLINED  # not on this server, or another version of it
-        if cache.put(index, data, stamp):
+        if cache.full:
+            return wire.FULL
+        if self._stamp is None:  # keys name immutable bytes: any length the cache could hold
+            return wire.STORED if length <= cache.capacity_bytes else wire.DECLINED
+        stamp = self._stamp(self.source.raw_key(index))
+        return wire.STORED if stamp is not None and stamp[-1] == length else wire.DECLINED
+
+    def keep(self, index: int, data: bytes) -> int:
+        stamp = self._stamp(self.source.raw_key(index)) if self._stamp is not None else None
+        if self._stamp is not None and (stamp is None or stamp[-1] != len(data)):
+            return wire.DECLINED
+        if self.cache.put(index, data, stamp):
             return wire.STORED
-        return wire.FULL if cache.full else wire.DECLINED
-    return keep
+        return wire.FULL if self.cache.full else wire.DECLINED
 
 
 def serve(cache, source, storage, secret: bytes, host: str, port: int, control) -> None:
@@ -131,7 +148,7 @@ def serve(cache, source, storage, secret: bytes, host: str, port: int, control) 
     on the ``control`` pipe once listening, and exit when the pipe says stop or closes, or the parent dies."""
     try:
         server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
-                            keep=cache_keep(cache, source, storage), max_keep_bytes=cache.capacity_bytes).start()
+                            keeper=CacheKeeper(cache, source, storage)).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return

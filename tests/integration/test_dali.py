@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import wave
+import weakref
 
 import numpy as np
 import pytest
@@ -163,23 +164,29 @@ def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
 
 
 class _Collects(tud.Dataset):
-    """Runs the garbage collector in torch's worker, as any allocation there may."""
+    """Collects garbage in torch's worker, as any allocation there may; says whether ``pipeline`` (a weak
+    reference) was still there to be collected."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
 
     def __len__(self):
-        return 4
+        return 2
 
     def __getitem__(self, i):
+        alive = self.pipeline() is not None
         gc.collect()
-        return i
+        return int(alive)
 
 
 def _exit_status_of_fork(child, timeout_s: float = 60) -> int:
     pid = os.fork()
     if pid == 0:
+        code = 1
         try:
-            child()
+            code = child()
         finally:
-            os._exit(0)
+            os._exit(code)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -191,29 +198,46 @@ def _exit_status_of_fork(child, timeout_s: float = 60) -> int:
     raise AssertionError("the forked child hung")
 
 
+def _dropped_mid_epoch(dataset):
+    """A weak reference to the DALI pipeline of a loader dropped half-way through an epoch, left as
+    garbage in a reference cycle (collect it only with the collector off)."""
+    loader = coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0)
+    it = iter(loader)
+    next(it)  # DALI's threads are busy
+    pipeline = weakref.ref(loader.epoch_ledger.feed.backend._pipe)
+    cycle = [loader, it]
+    cycle.append(cycle)
+    return pipeline
+
+
 def test_a_process_forked_after_dali_epochs_can_collect_their_pipelines(image_root):
     dataset = torchvision.datasets.ImageFolder(image_root)
     collecting = gc.isenabled()
-    gc.disable()  # the dropped loader stays garbage until a child collects it
+    gc.disable()
     try:
-        dropped = coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0)
-        it = iter(dropped)
-        next(it)  # half an epoch: DALI's threads are busy
-        cycle = [dropped, it]
-        cycle.append(cycle)
-        del dropped, it, cycle
         with coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0) as live:
             first = list(live)
+            pipeline = _dropped_mid_epoch(dataset)
             threshold = gc.get_threshold()
             gc.enable()
             gc.set_threshold(1)  # a collection at the child's first allocation, in the at-fork handlers
+
+            def child():  # 0: collected it without crashing or hanging; 3: there was nothing to collect
+                if pipeline() is None:
+                    return 3
+                gc.collect()
+                return 0
             try:
-                assert _exit_status_of_fork(gc.collect) == 0
+                assert _exit_status_of_fork(child) == 0
             finally:
                 gc.set_threshold(*threshold)
-            workers = tud.DataLoader(_Collects(), batch_size=2, num_workers=1, multiprocessing_context="fork")
-            assert [b.tolist() for b in workers] == [[0, 1], [2, 3]]
+                gc.disable()
+            assert pipeline() is not None  # ... and the parent still holds its own garbage
+            pipeline = _dropped_mid_epoch(dataset)
+            workers = tud.DataLoader(_Collects(pipeline), batch_size=2, num_workers=1, multiprocessing_context="fork")
+            assert [b.tolist() for b in workers] == [[1, 1]]  # the worker found it, and collected it
             gc.collect()  # in this process the pipelines shut down as ever
+            assert pipeline() is None
             assert len(list(live)) == len(first)  # the parent's pipeline untouched by its children
     finally:
         gc.enable() if collecting else gc.disable()

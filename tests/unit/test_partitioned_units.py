@@ -1,9 +1,13 @@
 """Partitioned caching's pieces without a cluster: topology from torchrun's environment, the option, cache maps
 and the ownership they give."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from coordl import partitioned
 from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
@@ -82,3 +86,34 @@ def test_a_maps_size_at_imagenet_scale_is_what_the_docs_say():
     ready = np.random.default_rng(2).random(n) < 1 / servers
     blob = encode_map(ready, True)
     assert len(blob) < 40_000  # partitioned NOTE [ Ownership ]: a random 1/64 share's 160 KB bitmap takes 36 KB
+
+
+def test_a_hand_off_queue_sends_in_order_drains_lets_go_when_idle_and_stops(monkeypatch):
+    """The sender thread: every queued item is sent, in order; ``drain`` returns once they are; after
+    ``HANDOFF_IDLE_S`` with nothing to send it lets go of its connections (``idle``); past the queue's
+    byte limit an offer is dropped; ``close`` drains and stops the thread."""
+    monkeypatch.setattr(partitioned, "HANDOFF_IDLE_S", 0.2)
+    monkeypatch.setattr(partitioned, "HANDOFF_QUEUE_BYTES", 100)
+    sent, idle, gate = [], threading.Event(), threading.Event()
+
+    def send(index, raw):
+        gate.wait(5)
+        sent.append((index, raw))
+    queue = partitioned._HandOff(send, idle.set)
+    thread = [t for t in threading.enumerate() if t.name == "coordl-hand-off"][-1]
+    queue.offer(1, b"a" * 60)
+    deadline = time.monotonic() + 5
+    while not queue._busy and time.monotonic() < deadline:  # item 1 is taken (its send waits on the gate)
+        time.sleep(0.01)
+    queue.offer(2, b"b" * 30)
+    queue.offer(3, b"c" * 80)  # 30 + 80 > 100: dropped
+    queue.offer(4, b"d" * 60)
+    gate.set()
+    queue.drain()
+    assert [i for i, _ in sent] == [1, 2, 4]
+    assert not idle.is_set() and idle.wait(2)  # quiet for HANDOFF_IDLE_S after the last send
+    queue.offer(5, b"e")
+    queue.close()
+    assert [i for i, _ in sent] == [1, 2, 4, 5]
+    thread.join(2)
+    assert not thread.is_alive()

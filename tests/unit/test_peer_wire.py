@@ -11,7 +11,7 @@ import pytest
 
 from coordl import _peer_wire as wire
 from coordl.minio_cache import MinIOCache, cache_segment_name
-from coordl.peer_server import PeerServer, cache_keep
+from coordl.peer_server import CacheKeeper, PeerServer
 from coordl.storage import FileStorage
 
 SECRET = b"s3cret-of-this-job"
@@ -23,23 +23,32 @@ def _item(i: int) -> bytes:
     return bytes([i % 251]) * (1000 + 37 * i)
 
 
+class Keeper:
+    """Keeps hand-offs of items below 40 of at most ``MAX_KEEP`` bytes (``kept``), says FULL for the others."""
+
+    def __init__(self):
+        self.kept, self.admitted = {}, []
+
+    def admit(self, i, length):
+        self.admitted.append(i)
+        return wire.FULL if i >= 40 else wire.STORED if length <= MAX_KEEP else wire.DECLINED
+
+    def keep(self, i, data):
+        self.kept[i] = bytes(data)
+        return wire.STORED
+
+
 @pytest.fixture
 def server():
     """A peer server on loopback holding every even item; records every item it was asked for, and keeps
-    hand-offs of items below 40 (``kept``), answering FULL for the others."""
-    looked_up, kept = [], {}
+    hand-offs with a :class:`Keeper` (``srv.keeper``)."""
+    looked_up = []
 
     def lookup(i):
         looked_up.append(i)
         return _item(i) if i % 2 == 0 else None
-
-    def keep(i, data):
-        if i >= 40:
-            return wire.FULL
-        kept[i] = bytes(data)
-        return wire.STORED
-    srv = PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", keep=keep, max_keep_bytes=MAX_KEEP, frame_s=0.5).start()
-    srv.looked_up, srv.kept = looked_up, kept
+    srv = PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", keeper=Keeper(), frame_s=0.5).start()
+    srv.looked_up = looked_up
     yield srv
     srv.close()
 
@@ -112,7 +121,10 @@ def test_a_hand_off_is_kept_checked_and_answered_between_requests(server):
         assert _fetch(conn, [4]) == {4: _item(4)}  # requests and hand-offs share a connection
         wire.send_keep(conn, 41, b"x")
         assert wire.read_kept(conn, 41, time.monotonic() + 2) == wire.FULL
-    assert server.kept == {3: b"three" * 100}
+        wire.send_keep(conn, 5, b"y" * (4 * MAX_KEEP))  # more than it would keep: read past, not held
+        assert wire.read_kept(conn, 5, time.monotonic() + 2) == wire.DECLINED
+        assert _fetch(conn, [6]) == {6: _item(6)}  # the connection is still in step
+    assert server.keeper.kept == {3: b"three" * 100}
 
 
 def _keep_frame(index: int, data: bytes, crc: int | None = None, length: int | None = None) -> bytes:
@@ -125,7 +137,7 @@ def _authenticated_frames(rng: random.Random) -> list[bytes]:
     good = wire.encode_request([0, 2])
     return [
         _keep_frame(1, b"bytes", crc=zlib.crc32(b"bytes") ^ 1),  # a hand-off whose checksum is wrong
-        _keep_frame(1, b"", length=MAX_KEEP + 1),  # larger than the server takes: refused before it is read
+        _keep_frame(1, b"", length=wire.MAX_ITEM_BYTES + 1),  # larger than any item: refused before it is read
         _keep_frame(N_ITEMS, b"bytes"),  # an id out of range
         _keep_frame(1, b"bytes" * 10)[:30],  # truncated, then the client goes quiet
         rng.randbytes(rng.randrange(8, 300)),  # random
@@ -153,7 +165,7 @@ def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
             conn.sendall(frame)
             assert _closed_without_data(conn), f"served after {frame[:16]!r}"
             conn.close()
-        assert server.looked_up == [] and server.kept == {}  # nothing was looked up, let alone sent, nor kept
+        assert server.looked_up == [] and server.keeper.kept == {}  # nothing was looked up, let alone sent, nor kept
         assert _fetch(bystander, [6, 7]) == {6: _item(6), 7: None}
     with _client(server) as later:
         assert _fetch(later, [8]) == {8: _item(8)}
@@ -190,8 +202,9 @@ def test_many_clients_at_once_each_get_their_own_items(server):
 
 
 def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_it_cannot_vouch_for(tmp_path):
-    """``cache_keep``: the bytes go in the cache with the stamp of this server's file, as its own read would
-    put them; a file it lacks or holds in another length, an item it holds, and a full cache are refused."""
+    """``CacheKeeper``: the bytes go in the cache with the stamp of this server's file, as its own read would
+    put them; a file it lacks or holds in another length, an item it holds, and a full cache are refused,
+    from the header alone (before any byte is read)."""
     files = [tmp_path / f"f{i}" for i in range(4)]
     for i, f in enumerate(files):
         f.write_bytes(_item(i))
@@ -203,13 +216,15 @@ def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_i
     capacity = len(_item(0)) + len(_item(1))
     with MinIOCache(cache_segment_name(f"keep-{time.monotonic_ns()}"), n_items=4, capacity_bytes=capacity,
                     fingerprint=bytes(32)) as cache:
-        keep = cache_keep(cache, Source(), storage)
-        assert keep(0, _item(0)) == wire.STORED
+        keeper = CacheKeeper(cache, Source(), storage)
+        assert keeper.admit(0, len(_item(0))) == wire.STORED
+        assert keeper.keep(0, _item(0)) == wire.STORED
         assert bytes(cache.get(0)) == _item(0) and cache.stamp(0) == storage.stamp(str(files[0]))
-        assert keep(0, _item(0)) == wire.DECLINED  # held already
-        assert keep(1, _item(1) + b"more") == wire.DECLINED  # this server's file is another version
+        assert keeper.admit(0, len(_item(0))) == wire.DECLINED  # held already
+        assert keeper.admit(1, len(_item(1)) + 4) == wire.DECLINED  # this server's file is another version
         files[3].unlink()
-        assert keep(3, _item(3)) == wire.DECLINED  # not on this server
-        assert not cache.full
-        assert keep(2, _item(2)) == wire.FULL  # does not fit: the cache freezes
+        assert keeper.admit(3, len(_item(3))) == wire.DECLINED  # not on this server
+        assert keeper.admit(2, len(_item(2))) == wire.STORED and not cache.full
+        assert keeper.keep(2, _item(2)) == wire.FULL  # does not fit: the cache freezes
         assert cache.full and cache.get(2) is None and cache.get(1) is None
+        assert keeper.admit(1, len(_item(1))) == wire.FULL
