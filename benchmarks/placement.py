@@ -7,7 +7,8 @@ Partitioned caching needs each item in at most one server's cache. Two ways to d
   to the next server that still has room; the map of who holds what is exchanged at epoch starts.
   ``first-come, no hand-off`` is the same without handing off (coordl before hand-offs).
 * ``hash``: item i belongs to server hash(i) mod N; a server caches only its own items and forwards
-  what it reads of another server's to that server (no map to exchange: anyone can compute owners).
+  what it reads of another server's to that server while that server's cache takes items (no map to
+  exchange: anyone can compute owners).
 
 Each server's cache holds ``fraction`` x D / N bytes (plus the largest item from 100% on, as in
 ``benchmarks.partitioned``). Items have lognormal sizes (ImageNet's JPEGs: mean 110 KB); each epoch every
@@ -84,8 +85,8 @@ def simulate(policy: str, sizes: np.ndarray, servers: int, fraction: float, epoc
             storage += size
             if policy == "hash":
                 target = int(owner_of[item])
-                if target != server:
-                    network += size  # forwarded to its owner
+                if target != server and not caches.frozen[target]:
+                    network += size  # forwarded to its owner, while its cache takes items
                 caches.put(target, item, size)
             elif not caches.put(server, item, size) and caches.frozen[server] and policy == "first-come":
                 for step in range(1, servers):  # the next server that keeps it

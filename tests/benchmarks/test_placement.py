@@ -33,11 +33,13 @@ def test_with_an_aggregate_cache_of_the_dataset_hand_offs_leave_nothing_for_stor
 
 def test_hash_placement_forwards_most_of_the_first_epoch_and_caches_no_more():
     sizes = placement.item_sizes(2000)
-    hashed = placement.simulate("hash", sizes, 4, 0.5, 3)
-    first = placement.simulate("first-come", sizes, 4, 0.5, 3)
-    assert 0.6 < hashed["epochs"][0]["network_fraction"] < 0.9  # (1 - 1/4) of what is read goes to its owner
-    assert first["epochs"][0]["network_fraction"] < 0.1
-    assert hashed["cached_fraction"] <= 0.5 + 1e-9 and first["cached_fraction"] <= 0.5 + 1e-9
-    for later in (1, 2):  # half the dataset is read from storage again, whoever caches the other half
-        for run in (hashed, first):
-            assert run["epochs"][later]["storage_fraction"] == pytest.approx(1 - run["cached_fraction"], abs=0.02)
+    hashed = placement.simulate("hash", sizes, 4, 1.0, 2)
+    first = placement.simulate("first-come", sizes, 4, 1.0, 2)
+    assert 0.7 < hashed["epochs"][0]["network_fraction"] < 0.8  # (1 - 1/4) of the dataset goes to its owners
+    assert first["epochs"][0]["network_fraction"] < 0.05  # only the overflow
+    assert first["cached_fraction"] == pytest.approx(1) and hashed["cached_fraction"] <= 1
+    for fraction in (0.5, 1.0):  # later epochs: storage reads what no server caches, whoever caches the rest
+        for policy in ("hash", "first-come"):
+            run = placement.simulate(policy, sizes, 4, fraction, 3)
+            for later in run["epochs"][1:]:
+                assert later["storage_fraction"] == pytest.approx(1 - run["cached_fraction"], abs=0.02)
