@@ -2,8 +2,9 @@
 
 Each server is a network and mount namespace of this machine with its own /dev/shm, its own torchrun and
 its own cgroups: blkio throttles and counts its reads of the dataset's loop device, memory bounds it to
-what its processes hold plus ``--page-cache-mib`` of page cache (``tests/cluster.py``): N servers with N disks of ``--read-mbps`` each, one rank per server, DDP-style
-(an all-reduce after every step of ``--step-ms``). Samples are raw bytes (a crc32, no decode), so storage
+what its processes hold plus ``--page-cache-mib`` of page cache (``tests/cluster.py``): N servers with N
+disks of ``--read-mbps`` each, one rank per server, DDP-style (an all-reduce after every step of
+``--step-ms``). Samples are raw bytes (a crc32, no decode), so storage
 is the bottleneck wherever it is read. Modes, at an aggregate cache (all servers' caches together) of 50%
 and 100% of the dataset:
 

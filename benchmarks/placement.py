@@ -42,7 +42,8 @@ def shards(n: int, servers: int, epoch: int, seed: int = 5) -> list[np.ndarray]:
 
 def _interleaved(parts: list[np.ndarray]) -> list[tuple[int, int]]:
     """(server, item) in the order the servers read them: their shards side by side, in step."""
-    return [(s, int(part[k])) for k in range(max(len(p) for p in parts)) for s, part in enumerate(parts) if k < len(part)]
+    longest = max(len(p) for p in parts)
+    return [(s, int(part[k])) for k in range(longest) for s, part in enumerate(parts) if k < len(part)]
 
 
 class Caches:

@@ -457,7 +457,8 @@ class PeerTier:
         full, down = self.state.full.numpy(), self.state.down.numpy()
         if self.state.owner[index] >= 0:  # a server holds it (down, or its copy stale): no second copy
             return
-        if all(full[n] or down[n] or n in self._refused for n in range(self.topology.nodes) if n != self.topology.node):
+        others = [n for n in range(self.topology.nodes) if n != self.topology.node]
+        if all(full[n] or down[n] or n in self._refused for n in others):
             return
         pid = os.getpid()
         with _threads_lock:
@@ -612,8 +613,9 @@ class PeerTier:
 
 class _HandOff:
     """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw)`` (calling
-    ``idle()`` once the queue has stayed empty for :data:`HANDOFF_IDLE_S`); drained (for at most :data:`HANDOFF_DRAIN_S`) before the
-    process exits, as a torch worker does at its epoch's end, or when closed."""
+    ``idle()`` once the queue has stayed empty for :data:`HANDOFF_IDLE_S`); drained (for at most
+    :data:`HANDOFF_DRAIN_S`) before the process exits, as a torch worker does at its epoch's end, or when
+    closed."""
 
     def __init__(self, send, idle):
         self._send, self._idle = send, idle

@@ -10,8 +10,9 @@ In ``netns`` mode (root, ``ip``, ``nsenter`` and ``unshare``) a node is deployed
   /etc/hosts that resolves every node's name to its address;
 - its own cgroup (v1 ``blkio``, and ``memory`` if bounded: what its processes hold plus a page-cache
   budget, followed as they grow, as ``benchmarks.storage_env`` bounds one system's run), joined before
-  the command starts, so that every process of the node is counted, bounded and killed with it. Nodes see this machine's /sys (so
-  their own cgroup under /sys/fs/cgroup, but this machine's interfaces under /sys/class/net).
+  the command starts, so that every process of the node is counted, bounded and killed with it. Nodes
+  see this machine's /sys (so their own cgroup under /sys/fs/cgroup, but this machine's interfaces
+  under /sys/class/net).
 
 Where network namespaces cannot be made, the ``loopback`` mode stands in: node i is 127.0.0.(i+2),
 with the private /dev/shm and hostname where ``unshare`` works, else ``$COORDL_SHM_DIR/node<i>`` as
@@ -94,8 +95,9 @@ class Cluster:
     each node's cgroup counts (:meth:`device_read_bytes`) and, with ``read_bps``, throttles.
     ``page_cache_bytes`` (with ``device``): bound each node's memory (cgroup v1) to what its processes
     hold (RSS and its /dev/shm) plus this page cache, with ``shm_reserve_bytes`` of its /dev/shm (its
-    cache) counted from the start; :attr:`memory` holds each node's figures once closed. ``isolation``: ``"netns"`` or ``"loopback"`` forces a mode (``"netns"`` raises
-    where it cannot be made); ``"auto"`` falls back to loopback. A context manager: leaving it (also on
+    cache) counted from the start; :attr:`memory` holds each node's figures once closed. ``isolation``:
+    ``"netns"`` or ``"loopback"`` forces a mode (``"netns"`` raises where it cannot be made); ``"auto"``
+    falls back to loopback. A context manager: leaving it (also on
     an exception) is :meth:`close`.
 
     Attributes: ``mode`` (``"netns"`` or ``"loopback"``), ``why`` (why the fallbacks, if any),

@@ -31,7 +31,8 @@ def test_caches_at_100_percent_hold_every_item_despite_fragments():
 def _run(mode, fraction, times, device, peers, rep=0, handed=0, page_cache=2**20, over=()):
     return {"mode": mode, "aggregate_cache_fraction": fraction, "rep": rep, "over_budget": list(over),
             "epochs": [{"epoch": i + 1, "time_s": t, "device_read_bytes": d, "storage_bytes": d, "peer_bytes": p,
-                        "stall_s": 0.0, "longest_wait_s": 0.1} for i, (t, d, p) in enumerate(zip(times, device, peers))],
+                        "stall_s": 0.0, "longest_wait_s": 0.1}
+                       for i, (t, d, p) in enumerate(zip(times, device, peers))],
             "servers": [{"peers": [{"handed_off_bytes": handed}], "memory": {"p99_page_cache_bytes": page_cache}},
                         {"peers": [{"handed_off_bytes": 0}], "memory": {"p99_page_cache_bytes": 0}}]}
 

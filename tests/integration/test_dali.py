@@ -211,6 +211,9 @@ def _dropped_mid_epoch(dataset):
 
 
 def test_a_process_forked_after_dali_epochs_can_collect_their_pipelines(image_root):
+    """A child forked (by hand, and as torch's worker) while a dropped pipeline is garbage in the parent
+    finds it there and collects it, without crashing or hanging; the parent's pipelines are untouched.
+    (The collector stays off in the parent until then, so the garbage survives to the fork.)"""
     dataset = torchvision.datasets.ImageFolder(image_root)
     collecting = gc.isenabled()
     gc.disable()
@@ -218,27 +221,45 @@ def test_a_process_forked_after_dali_epochs_can_collect_their_pipelines(image_ro
         with coordl.DataLoader(dataset, batch_size=8, backend="dali", cache_bytes=0) as live:
             first = list(live)
             pipeline = _dropped_mid_epoch(dataset)
-            threshold = gc.get_threshold()
-            gc.enable()
-            gc.set_threshold(1)  # a collection at the child's first allocation, in the at-fork handlers
 
             def child():  # 0: collected it without crashing or hanging; 3: there was nothing to collect
                 if pipeline() is None:
                     return 3
                 gc.collect()
                 return 0
-            try:
-                assert _exit_status_of_fork(child) == 0
-            finally:
-                gc.set_threshold(*threshold)
-                gc.disable()
+            assert _exit_status_of_fork(child) == 0
             assert pipeline() is not None  # ... and the parent still holds its own garbage
-            pipeline = _dropped_mid_epoch(dataset)
             workers = tud.DataLoader(_Collects(pipeline), batch_size=2, num_workers=1, multiprocessing_context="fork")
-            assert [b.tolist() for b in workers] == [[1, 1]]  # the worker found it, and collected it
+            assert [b.tolist() for b in workers] == [[1, 0]]  # the worker found it, collected it, and it was gone
             gc.collect()  # in this process the pipelines shut down as ever
             assert pipeline() is None
             assert len(list(live)) == len(first)  # the parent's pipeline untouched by its children
+    finally:
+        gc.enable() if collecting else gc.disable()
+
+
+def test_collection_is_paused_across_forks_and_resumed_once_the_last_is_through():
+    """The at-fork handlers' state: two threads forking at once share one pause; the collector comes back
+    (if it was on) when both are through, and in a child at once."""
+    from coordl import dali_pipeline
+    collecting = gc.isenabled()
+    gc.enable()
+    try:
+        dali_pipeline._pause_gc_for_fork()
+        dali_pipeline._pause_gc_for_fork()  # a second thread forks meanwhile
+        assert not gc.isenabled()
+        dali_pipeline._resume_gc_in_parent()
+        assert not gc.isenabled()  # the other fork is not through
+        dali_pipeline._resume_gc_in_parent()
+        assert gc.isenabled()
+        gc.disable()  # off before the fork: stays off after it
+        dali_pipeline._pause_gc_for_fork()
+        dali_pipeline._resume_gc_in_parent()
+        assert not gc.isenabled()
+        gc.enable()
+        dali_pipeline._pause_gc_for_fork()
+        dali_pipeline._disown_pipelines_in_child()  # in a child: on again, and the count starts over
+        assert gc.isenabled() and dali_pipeline._fork_gc["depth"] == 0
     finally:
         gc.enable() if collecting else gc.disable()
 
