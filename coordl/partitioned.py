@@ -336,27 +336,25 @@ class PeerTier:
             return
         deadline = time.monotonic() + self.exchange_s
         store.set(f"e{epoch}/ready/{t.node}/{t.local_rank}", "1")
+        # the servers up now (each probed once): a dead one is never waited for
+        up = {t.node} | {n for n in range(t.nodes) if n != t.node and
+                         self._learn_address(n, 0.0 if n in self._absent else deadline) and self._live(n)}
         if t.local_rank == 0:  # the map once every live rank's inserts and hand-offs of the last epoch are in
-            nodes = [t.node] + [n for n in range(t.nodes) if n != t.node and n not in self._absent and
-                                self._learn_address(n, deadline) and self._reachable(n)]
-            self._wait([f"e{epoch}/ready/{n}/{r}" for n in nodes for r in range(t.local_world)], deadline)
+            waited = [n for n in sorted(up) if n not in self._absent]
+            self._wait([f"e{epoch}/ready/{n}/{r}" for n in waited for r in range(t.local_world)], deadline)
             cache = self._cache
-            store.set(f"e{epoch}/map/{t.node}", encode_map(cache.ready_mask(), cache.stats().frozen))
+            store.set(f"e{epoch}/map/{t.node}", encode_map(cache.ready_mask(), cache.full))
         maps, frozen = [], []
         for node in range(t.nodes):
             until = 0.0 if node in self._absent else deadline  # 0: look, don't wait
-            key = f"e{epoch}/map/{node}"
-            if node != t.node and (not self._learn_address(node, until) or not self._live(node)):
-                available = False
-            else:
-                available = self._wait([key], until)
+            available = node in up and self._wait([f"e{epoch}/map/{node}"], until)
             if not available:
                 maps.append(None)  # its items come from storage this epoch
                 frozen.append(False)
                 self._absent.add(node)
                 continue
             self._absent.discard(node)
-            ready, is_frozen = decode_map(store.get(key), self.n_items)
+            ready, is_frozen = decode_map(store.get(f"e{epoch}/map/{node}"), self.n_items)
             maps.append(ready)
             frozen.append(is_frozen)
         missing = [n for n, m in enumerate(maps) if m is None]
@@ -454,9 +452,9 @@ class PeerTier:
     def hand_off(self, index: int, raw) -> None:
         """Offer ``index``'s bytes, just read from storage while this node's cache is full, to a peer whose
         cache still takes items (in the background: see NOTE [ Hand-off ])."""
-        full, down = self.state.full.numpy(), self.state.down.numpy()
         if self.state.owner[index] >= 0:  # a server holds it (down, or its copy stale): no second copy
             return
+        full, down = self.state.full.numpy(), self.state.down.numpy()
         others = [n for n in range(self.topology.nodes) if n != self.topology.node]
         if all(full[n] or down[n] or n in self._refused for n in others):
             return

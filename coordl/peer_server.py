@@ -18,7 +18,7 @@ import time
 
 from coordl import _peer_wire as wire
 from coordl._worker import exit_when_orphaned
-from coordl.storage import is_current
+from coordl.storage import is_current, stamper
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class PeerServer:
 
     def _take(self, conn: socket.socket, handoff: "wire.Handoff") -> None:
         """Answer a hand-off: its bytes are read only if the keeper would keep an item of that length."""
-        outcome = self.keeper.admit(handoff.index, handoff.length) if self.keeper else wire.DECLINED
+        outcome, stamp = self.keeper.admit(handoff.index, handoff.length) if self.keeper else (wire.DECLINED, None)
         data = wire.read_handoff(conn, handoff, self.frame_s, keep=outcome == wire.STORED)
         if data is not None:
-            outcome = self.keeper.keep(handoff.index, data)
+            outcome = self.keeper.keep(handoff.index, data, stamp)
         wire.send_kept(conn, handoff.index, outcome)
 
     def close(self) -> None:
@@ -119,25 +119,23 @@ class CacheKeeper:
     bytes, as readers trust what peers serve them: checksums guard the transport, not intent."""
 
     def __init__(self, cache, source, storage):
-        self.cache, self.source = cache, source
-        self._stamp = getattr(storage, "stamp", None) if getattr(storage, "read_stamped", None) is not None else None
+        self.cache, self.source, self._stamp = cache, source, stamper(storage)
 
-    def admit(self, index: int, length: int) -> int:
-        """``STORED`` if an item of ``length`` bytes would be kept (send its bytes), else ``FULL`` or ``DECLINED``."""
+    def admit(self, index: int, length: int) -> tuple[int, tuple | None]:
+        """(``STORED``, the stamp to keep it with) if an item of ``length`` bytes would be kept (send its
+        bytes), else (``FULL`` or ``DECLINED``, None)."""
         cache = self.cache
         if cache.get(index) is not None:
-            return wire.DECLINED
+            return wire.DECLINED, None
         if cache.full:
-            return wire.FULL
+            return wire.FULL, None
         if self._stamp is None:  # keys name immutable bytes: any length the cache could hold
-            return wire.STORED if length <= cache.capacity_bytes else wire.DECLINED
+            return (wire.STORED if length <= cache.capacity_bytes else wire.DECLINED), None
         stamp = self._stamp(self.source.raw_key(index))
-        return wire.STORED if stamp is not None and stamp[-1] == length else wire.DECLINED
+        return (wire.STORED, stamp) if stamp is not None and stamp[-1] == length else (wire.DECLINED, None)
 
-    def keep(self, index: int, data: bytes) -> int:
-        stamp = self._stamp(self.source.raw_key(index)) if self._stamp is not None else None
-        if self._stamp is not None and (stamp is None or stamp[-1] != len(data)):
-            return wire.DECLINED
+    def keep(self, index: int, data: bytes, stamp: tuple | None) -> int:
+        """Put the admitted item's bytes (its ``length`` of them) with the stamp :meth:`admit` gave."""
         if self.cache.put(index, data, stamp):
             return wire.STORED
         return wire.FULL if self.cache.full else wire.DECLINED

@@ -23,10 +23,17 @@ class Storage(Protocol):
         ...
 
 
+def stamper(storage):
+    """``storage.stamp`` for a storage that stamps its files (``read_stamped``), else None (its keys name
+    immutable bytes)."""
+    return storage.stamp if getattr(storage, "read_stamped", None) is not None else None
+
+
 def is_current(storage, key: str, cached: Stamp) -> bool:
     """Whether bytes cached with stamp ``cached`` may be served for ``key``: always from a storage that does
-    not stamp its files (its keys name immutable bytes), else only while ``key``'s stamp is still that one."""
-    return getattr(storage, "read_stamped", None) is None or storage.stamp(key) == cached
+    not stamp its files, else only while ``key``'s stamp is still that one."""
+    stamp = stamper(storage)
+    return stamp is None or stamp(key) == cached
 
 
 def stamp_of(st: os.stat_result) -> Stamp:

@@ -27,13 +27,12 @@ class Keeper:
     """Keeps hand-offs of items below 40 of at most ``MAX_KEEP`` bytes (``kept``), says FULL for the others."""
 
     def __init__(self):
-        self.kept, self.admitted = {}, []
+        self.kept = {}
 
     def admit(self, i, length):
-        self.admitted.append(i)
-        return wire.FULL if i >= 40 else wire.STORED if length <= MAX_KEEP else wire.DECLINED
+        return (wire.FULL if i >= 40 else wire.STORED if length <= MAX_KEEP else wire.DECLINED), None
 
-    def keep(self, i, data):
+    def keep(self, i, data, stamp):
         self.kept[i] = bytes(data)
         return wire.STORED
 
@@ -217,14 +216,16 @@ def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_i
     with MinIOCache(cache_segment_name(f"keep-{time.monotonic_ns()}"), n_items=4, capacity_bytes=capacity,
                     fingerprint=bytes(32)) as cache:
         keeper = CacheKeeper(cache, Source(), storage)
-        assert keeper.admit(0, len(_item(0))) == wire.STORED
-        assert keeper.keep(0, _item(0)) == wire.STORED
+        outcome, stamp = keeper.admit(0, len(_item(0)))
+        assert outcome == wire.STORED
+        assert keeper.keep(0, _item(0), stamp) == wire.STORED
         assert bytes(cache.get(0)) == _item(0) and cache.stamp(0) == storage.stamp(str(files[0]))
-        assert keeper.admit(0, len(_item(0))) == wire.DECLINED  # held already
-        assert keeper.admit(1, len(_item(1)) + 4) == wire.DECLINED  # this server's file is another version
+        assert keeper.admit(0, len(_item(0)))[0] == wire.DECLINED  # held already
+        assert keeper.admit(1, len(_item(1)) + 4)[0] == wire.DECLINED  # this server's file is another version
         files[3].unlink()
-        assert keeper.admit(3, len(_item(3))) == wire.DECLINED  # not on this server
-        assert keeper.admit(2, len(_item(2))) == wire.STORED and not cache.full
-        assert keeper.keep(2, _item(2)) == wire.FULL  # does not fit: the cache freezes
+        assert keeper.admit(3, len(_item(3)))[0] == wire.DECLINED  # not on this server
+        outcome, stamp = keeper.admit(2, len(_item(2)))
+        assert outcome == wire.STORED and not cache.full
+        assert keeper.keep(2, _item(2), stamp) == wire.FULL  # does not fit: the cache freezes
         assert cache.full and cache.get(2) is None and cache.get(1) is None
-        assert keeper.admit(1, len(_item(1))) == wire.FULL
+        assert keeper.admit(1, len(_item(1)))[0] == wire.FULL
