@@ -156,7 +156,7 @@ def main() -> None:
               "partition": list(cache.partition) if cache is not None and cache.partition else None,
               "cached_items": cache.items_cached if cache is not None else 0,
               "cached_bytes": cache.bytes_cached if cache is not None else 0,
-              "owner_digest": hashlib.sha256(peers.state.owner.numpy().tobytes()).hexdigest() if peers else None}
+              "owner_digest": hashlib.sha256(peers.state.owner.tobytes()).hexdigest() if peers else None}
     loader.close()
     if args.sync:
         dist.destroy_process_group()

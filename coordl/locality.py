@@ -163,4 +163,4 @@ def locality_plan(sampler, batch_size, drop_last: bool, peers, batch_sampler_giv
     if t.rank != t.node * t.local_world + t.local_rank or t.world != t.nodes * t.local_world:
         raise ValueError(f"{why} needs ranks numbered server by server with the same number on each (as torchrun "
                          f"does); rank {t.rank} is local rank {t.local_rank} of {t.local_world} on server {t.node}")
-    return LocalityPlan(sampler, batch_size, drop_last, lambda: peers.state.owner.numpy(), t.nodes, t.local_world)
+    return LocalityPlan(sampler, batch_size, drop_last, lambda: peers.state.owner, t.nodes, t.local_world)

@@ -58,6 +58,16 @@ Peers authenticate each connection with HMAC challenge-response over a per-job s
 to ask creates in the rendezvous store: it is exactly as private as that store (anyone who can reach
 torchrun's store can read it). The server binds the address this server uses to reach the store
 (``MASTER_ADDR``), never every interface, unless ``COORDL_PEER_HOST`` says otherwise.
+
+NOTE [ Threads at exit ]
+A daemon thread inside a call into torch (a tensor op, a store request: torch lets go of the GIL there)
+when the interpreter starts finalizing aborts the whole process as the call returns ("terminate called
+without an active exception", SIGABRT): CPython then ends the thread by unwinding through torch's C++
+frames. So the two background threads here are kept out of torch: the hand-off sender touches only
+numpy views of :class:`PeerState` and sockets, and is stopped and joined when its process exits
+(multiprocessing's exit hook, which a torch worker also runs); the address learner, which must ask the
+store, waits there in short calls (``ADDRESS_WAIT_S``) between which it looks at a stop flag, and is
+stopped and joined at exit (a ``weakref.finalize``) before finalization begins.
 """
 
 import collections
@@ -73,6 +83,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -95,6 +106,12 @@ EXCHANGE_ENV = "COORDL_PEER_EXCHANGE_S"
 EXCHANGE_TIMEOUT_S = 60.0
 """Default of how long, in all, an epoch start waits for the servers' maps (``COORDL_PEER_EXCHANGE_S``;
 servers start epochs together in DDP); a server whose peer server refuses connections is not waited for."""
+ADDRESS_WAIT_S = 0.5
+"""The longest single wait of the address learner for a peer server's address in the store."""
+ADDRESS_RETRY_S = 0.05
+"""How long the address learner pauses between two waits."""
+THREAD_JOIN_S = 2.0  # > ADDRESS_WAIT_S
+"""How long a stopping process waits for a background thread to end (NOTE [ Threads at exit ])."""
 CLOSE_WAIT_S = 10.0
 """How long a closing peer server keeps serving for the other servers' ranks still loading."""
 _MAX_NODES = 4096
@@ -198,22 +215,40 @@ def decode_map(blob: bytes, n_items: int) -> tuple[np.ndarray, bool]:
 
 
 class PeerState:
-    """What a rank's processes share about the peers (torch shared tensors, so it travels to DataLoader
-    workers, forked or spawned): ``owner`` int16[N], ``meta`` (map version, final), ``down`` flags per
-    node (this epoch) and ``warned`` (said so), ``full`` (its cache takes no more), their ``addresses``, and
-    per-process, per-node counters (:data:`PEER_COUNTERS`)."""
+    """What a rank's processes share about the peers: ``owner`` int16[N], ``meta`` (map version, final),
+    ``down`` flags per node (this epoch) and ``warned`` (said so), ``full`` (its cache takes no more), their
+    ``addresses``, and per-process, per-node counters (:data:`PEER_COUNTERS`). Torch shared tensors underneath,
+    so it travels to DataLoader workers (forked or spawned); each field is a numpy view of its tensor, made
+    when the state is built or unpickled, so that the background threads never call into torch (NOTE [ Threads
+    at exit ])."""
 
     def __init__(self, n_items: int, nodes: int, processes: int):
-        self.owner = torch.full((n_items,), -1, dtype=torch.int16).share_memory_()
-        self.meta = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self.down = torch.zeros(nodes, dtype=torch.int32).share_memory_()
-        self.warned = torch.zeros(nodes, dtype=torch.int32).share_memory_()
-        self.full = torch.zeros(nodes, dtype=torch.int32).share_memory_()
-        self.addresses = torch.zeros((nodes, _ADDR_BYTES), dtype=torch.uint8).share_memory_()
-        self.counters = torch.zeros((max(processes, 1), nodes, len(PEER_COUNTERS)), dtype=torch.int64).share_memory_()
+        self._shared = {
+            "owner": torch.full((n_items,), -1, dtype=torch.int16),
+            "meta": torch.zeros(2, dtype=torch.int64),
+            "down": torch.zeros(nodes, dtype=torch.int32),
+            "warned": torch.zeros(nodes, dtype=torch.int32),
+            "full": torch.zeros(nodes, dtype=torch.int32),
+            "addresses": torch.zeros((nodes, _ADDR_BYTES), dtype=torch.uint8),
+            "counters": torch.zeros((max(processes, 1), nodes, len(PEER_COUNTERS)), dtype=torch.int64),
+        }
+        for tensor in self._shared.values():
+            tensor.share_memory_()
+        self._view()
+
+    def __getstate__(self) -> dict:
+        return self._shared
+
+    def __setstate__(self, shared: dict) -> None:
+        self._shared = shared
+        self._view()
+
+    def _view(self) -> None:
+        for name, tensor in self._shared.items():
+            setattr(self, name, tensor.numpy())
 
     def address(self, node: int) -> tuple[str, int] | None:
-        row = self.addresses[node].numpy()
+        row = self.addresses[node]
         length = int(row[0])  # written last (see set_address): nonzero means the text is all there
         if not length:
             return None
@@ -226,7 +261,7 @@ class PeerState:
         raw = text.encode()
         if len(raw) >= _ADDR_BYTES:
             raise ValueError(f"server {node}'s address {text!r} is longer than {_ADDR_BYTES - 1} bytes")
-        row = self.addresses[node].numpy()
+        row = self.addresses[node]
         row[1:1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         row[0] = len(raw)
 
@@ -325,13 +360,16 @@ class PeerTier:
         self._maps_known = epoch
         if self._hand_off is not None and self._hand_off[0] == os.getpid():
             self._hand_off[1].drain()  # this process's overflow of the last epoch in the peers' maps
-        self.state.down.zero_()  # every epoch tries again the peers the last one found down
+        self.state.down[:] = 0  # every epoch tries again the peers the last one found down
         t, store = self.topology, self._store
         if epoch < 2:  # where this epoch's overflow can go: learnt in the background as the servers come up
             missing = [n for n in range(t.nodes) if n != t.node and self.state.address(n) is None]
             if missing:
-                threading.Thread(target=self._learn_addresses, args=(missing,), name="coordl-peer-addresses",
-                                 daemon=True).start()
+                stop = threading.Event()
+                learner = threading.Thread(target=self._learn_addresses, args=(missing, stop),
+                                           name="coordl-peer-addresses", daemon=True)
+                learner.start()
+                weakref.finalize(self, _stop_thread, learner, stop.set)  # at exit, or with this tier
         if epoch < 2 or self.state.meta[1]:
             return
         deadline = time.monotonic() + self.exchange_s
@@ -366,8 +404,8 @@ class PeerTier:
                            "must be the same files in the same order) should be built with partitioned=False.", epoch,
                            ", ".join(map(str, missing)), self.exchange_s, EXCHANGE_ENV)
         owner = owners_of(maps)
-        self.state.owner.copy_(torch.from_numpy(owner))
-        self.state.full.copy_(torch.tensor(frozen, dtype=torch.int32) | self.state.full)
+        self.state.owner[:] = owner
+        self.state.full |= np.array(frozen, dtype=np.int32)
         final = not missing and (bool((owner >= 0).all()) or all(frozen))
         self.state.meta[0] += 1
         self.state.meta[1] = int(final)
@@ -411,9 +449,9 @@ class PeerTier:
         """Whether ``node``'s address is known (learnt from the store by ``deadline``)."""
         return self.state.address(node) is not None or _read_address(self._store, self.state, node, deadline)
 
-    def _learn_addresses(self, nodes: list[int]) -> None:
+    def _learn_addresses(self, nodes: list[int], stop: threading.Event) -> None:
         """In a thread of its own (with its own store client): learn ``nodes``' addresses as they appear, for
-        at most ``COORDL_PEER_EXCHANGE_S``."""
+        at most ``COORDL_PEER_EXCHANGE_S`` or until ``stop`` is set (NOTE [ Threads at exit ])."""
         try:
             store = _store(self.topology, self.prefix)
         except Exception as e:  # the job's store gone: hand-offs skip the servers not known yet
@@ -421,7 +459,9 @@ class PeerTier:
             return
         deadline = time.monotonic() + self.exchange_s
         for node in nodes:
-            _read_address(store, self.state, node, deadline)
+            while not _read_address(store, self.state, node, min(deadline, time.monotonic() + ADDRESS_WAIT_S)):
+                if time.monotonic() >= deadline or stop.wait(ADDRESS_RETRY_S):
+                    return
 
     # -- any process: the read path ------------------------------------------------------------------------
 
@@ -431,7 +471,7 @@ class PeerTier:
         pending = PendingFetch(self)
         if not indices or not self.state.meta[0]:
             return pending
-        owner, down, me = self.state.owner.numpy(), self.state.down.numpy(), self.topology.node
+        owner, down, me = self.state.owner, self.state.down, self.topology.node
         by_node: dict[int, list[int]] = {}
         for i in indices:
             node = int(owner[i])
@@ -454,7 +494,7 @@ class PeerTier:
         cache still takes items (in the background: see NOTE [ Hand-off ])."""
         if self.state.owner[index] >= 0:  # a server holds it (down, or its copy stale): no second copy
             return
-        full, down = self.state.full.numpy(), self.state.down.numpy()
+        full, down = self.state.full, self.state.down
         others = [n for n in range(self.topology.nodes) if n != self.topology.node]
         if all(full[n] or down[n] or n in self._refused for n in others):
             return
@@ -560,13 +600,13 @@ class PeerTier:
 
     def counters_row(self) -> np.ndarray:
         """This process's per-node counters (a writable numpy view)."""
-        table = self.state.counters.numpy()
+        table = self.state.counters
         return table[own_row(len(table))]
 
     def peer_stats(self) -> list[dict]:
         """Per peer: its address, whether it is down, the items, bytes, requests and mean wait per request it
         served, and the items (and bytes) this rank's processes handed off to it."""
-        totals = self.state.counters.sum(dim=0).numpy()
+        totals = self.state.counters.sum(axis=0)
         out = []
         for node in range(self.topology.nodes):
             if node == self.topology.node:
@@ -619,8 +659,9 @@ class _HandOff:
         self._send, self._idle = send, idle
         self._queue, self._bytes, self._busy, self._stopped = collections.deque(), 0, False, False
         self._ready = threading.Condition()
-        threading.Thread(target=self._run, name="coordl-hand-off", daemon=True).start()
-        self._finalizer = multiprocessing.util.Finalize(self, self.drain, exitpriority=0)
+        self._thread = threading.Thread(target=self._run, name="coordl-hand-off", daemon=True)
+        self._thread.start()
+        self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=0)
 
     def offer(self, index: int, raw) -> None:
         """Queue ``raw`` unless :data:`HANDOFF_QUEUE_BYTES` are queued already (then it is dropped)."""
@@ -636,9 +677,13 @@ class _HandOff:
             self._ready.wait_for(lambda: not self._queue and not self._busy, HANDOFF_DRAIN_S)
 
     def close(self) -> None:
-        """Drain, then stop the thread."""
+        """Drain, then stop the thread and wait (at most :data:`THREAD_JOIN_S`) for it to end."""
         self.drain()
         self._finalizer.cancel()
+        _stop_thread(self._thread, self._stop)
+
+    def _stop(self) -> None:
+        """Tell the thread to stop (whatever is still queued is dropped)."""
         with self._ready:
             self._stopped = True
             self._queue.clear()
@@ -748,6 +793,13 @@ def _start_server(cache, source, storage, secret: bytes, topology: Topology, ord
     logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
                 topology.nodes, *server.address)
     return server
+
+
+def _stop_thread(thread: threading.Thread, stop) -> None:
+    """``stop()``, then wait (at most :data:`THREAD_JOIN_S`) for ``thread`` to end."""
+    stop()
+    if thread is not threading.current_thread():
+        thread.join(THREAD_JOIN_S)
 
 
 def _read_address(store, state: PeerState, node: int, deadline: float) -> bool:

@@ -170,7 +170,7 @@ def test_a_servers_map_waits_for_the_hand_offs_of_every_server_that_is_up(make_c
     _check_every_sample_once(results, crcs, 2)
     handed = sum(p["handed_off"] for r in results if r["node"] == 0 for p in r["peers"])
     assert handed > 0
-    assert _epoch_sum(results, 2, "storage_bytes") == 0
+    assert _epoch_sum(results, 2, "storage_bytes") == 0, "\n".join(cluster.log(n)[-3000:] for n in range(2))
 
 
 def test_a_server_holding_only_the_files_it_caches_reads_the_rest_from_its_peer(make_cluster, dataset, tmp_path):

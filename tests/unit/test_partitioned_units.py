@@ -1,6 +1,12 @@
 """Partitioned caching's pieces without a cluster: topology from torchrun's environment, the option, cache maps
 and the ownership they give."""
 
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -100,7 +106,7 @@ def test_a_hand_off_queue_sends_in_order_drains_lets_go_when_idle_and_stops(monk
         gate.wait(5)
         sent.append((index, raw))
     queue = partitioned._HandOff(send, idle.set)
-    thread = [t for t in threading.enumerate() if t.name == "coordl-hand-off"][-1]
+    thread = queue._thread
     queue.offer(1, b"a" * 60)
     deadline = time.monotonic() + 5
     while not queue._busy and time.monotonic() < deadline:  # item 1 is taken (its send waits on the gate)
@@ -115,5 +121,87 @@ def test_a_hand_off_queue_sends_in_order_drains_lets_go_when_idle_and_stops(monk
     queue.offer(5, b"e")
     queue.close()
     assert [i for i, _ in sent] == [1, 2, 4, 5]
-    thread.join(2)
-    assert not thread.is_alive()
+    assert not thread.is_alive()  # close waits for it
+
+
+def _write_in_child(state):
+    state.owner[3] = 1
+    state.full[1] = 1
+    state.counters[0, 1, 2] += 7
+    state.set_address(1, "10.0.0.2:4567")
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_peer_state_is_one_shared_memory_for_every_process_and_plain_numpy_in_each(start):
+    """Its fields are numpy views of shared tensors (nothing in them calls into torch), made again when the
+    state reaches a worker, forked or spawned: what the worker writes, the rank reads."""
+    state = partitioned.PeerState(n_items=8, nodes=2, processes=1)
+    assert all(type(getattr(state, f)) is np.ndarray for f in ("owner", "meta", "down", "warned", "full",
+                                                               "addresses", "counters"))
+    child = multiprocessing.get_context(start).Process(target=_write_in_child, args=(state,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert state.owner.tolist() == [-1, -1, -1, 1, -1, -1, -1, -1]
+    assert state.full.tolist() == [0, 1] and state.counters[0, 1, 2] == 7
+    assert state.address(1) == ("10.0.0.2", 4567) and state.address(0) is None
+
+
+_EXITING_RANK = textwrap.dedent("""
+    import atexit, json, sys, threading
+
+    def record():  # registered first, so it runs last of the exit hooks: what still runs as finalization begins
+        with open(sys.argv[1], "w") as f:
+            json.dump({"threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("coordl-")),
+                       "torch_calls": sorted(torch_calls)}, f)
+    atexit.register(record)
+
+    import time
+    import torch.distributed as dist
+    from coordl import partitioned
+
+    torch_calls = set()  # (thread, callee) for every call from a coordl thread into torch's native code
+    def watch(frame, event, arg):
+        name = threading.current_thread().name
+        if event == "c_call" and name.startswith("coordl-"):
+            owner = getattr(arg, "__self__", None)
+            module = getattr(arg, "__module__", None) or type(owner).__module__
+            if module and module.startswith("torch"):
+                torch_calls.add((name, arg.__qualname__))
+    threading.setprofile(watch)
+
+    class Source:  # the dataset's keys: all a rank without a peer server needs of it
+        def __len__(self):
+            return 8
+        def raw_key(self, i):
+            return f"class/{i}.jpg"
+
+    partitioned.HANDOFF_DRAIN_S = 1.0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
+                                    master_addr="127.0.0.1", master_port=store.port, run="exit")
+    tier = partitioned.PeerTier(topology, None, Source(), None, processes=1)
+    tier.begin_epoch(1)  # the learner waits for server 1's address: it never comes
+    tier.hand_off(0, b"x" * 10)  # the sender waits for an address to hand it to
+    sender = tier._hand_off[1]
+    while not sender._busy:
+        time.sleep(0.01)
+    time.sleep(0.3)  # both threads in their waits
+    sys.exit(0)  # without closing the loader, as a script may
+""")
+
+
+def test_a_process_exits_with_its_background_threads_stopped_and_out_of_torch(tmp_path):
+    """NOTE [ Threads at exit ]: a rank exits (without closing anything) while its address learner waits in
+    the store for a server that never comes and its hand-off sender waits for somewhere to send. By the time
+    finalization begins both threads have ended (a daemon thread inside torch then aborts the process), and
+    the sender never called into torch's native code."""
+    out = tmp_path / "exit.json"
+    env = dict(os.environ, COORDL_PEER_SECRET="s" * 16, COORDL_PEER_EXCHANGE_S="60")
+    proc = subprocess.run([sys.executable, "-c", _EXITING_RANK, str(out)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["threads"] == [], seen
+    assert not [call for call in seen["torch_calls"] if call[0] == "coordl-hand-off"], seen
+    assert any(call[0] == "coordl-peer-addresses" for call in seen["torch_calls"])  # the watch sees store calls
