@@ -5,6 +5,7 @@ loader sums for its statistics.
 """
 
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,13 @@ from coordl.minio_cache import MinIOCache
 from coordl.raw_datasets import RawBytesDataset
 from coordl.storage import Storage, is_current
 
-COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes")
+COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
+                  "storage_wait_ns", "peer_wait_ns", "prep_ns")
 """Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
-out of date, bytes from cache, bytes from storage, items and bytes fetched from peers' caches (partitioned)."""
-_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES = range(len(COUNTER_FIELDS))
+out of date, bytes from cache, bytes from storage, items and bytes fetched from peers' caches (partitioned);
+and the time spent reading storage, waiting for peers and preparing samples (decode and transform)."""
+(_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES, _STORAGE_NS, _PEER_NS,
+ _PREP_NS) = range(len(COUNTER_FIELDS))
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
 _OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
@@ -164,7 +168,11 @@ class CachedDataset(torch.utils.data.Dataset):
                 misses.append(k)
         if not misses:
             return raws
-        pending = self.peers.request([indices[k] for k in misses]) if self.peers is not None else None
+        pending = None
+        if self.peers is not None:
+            started = time.perf_counter_ns()
+            pending = self.peers.request([indices[k] for k in misses])
+            row[_PEER_NS] += time.perf_counter_ns() - started
         asked = pending.asked if pending is not None else ()
         try:
             for k in misses:
@@ -175,7 +183,9 @@ class CachedDataset(torch.utils.data.Dataset):
                 pending.abandon()
             raise
         if asked:
+            started = time.perf_counter_ns()
             delivered = pending.collect()
+            row[_PEER_NS] += time.perf_counter_ns() - started
             for k in misses:
                 if indices[k] in asked:
                     raw = delivered.get(indices[k])
@@ -206,10 +216,12 @@ class CachedDataset(torch.utils.data.Dataset):
         """``index`` read from storage and offered to the cache (unless its cached copy is stale: taken)."""
         cache, key = self.cache, self.source.raw_key(index)
         stamped = getattr(self.storage, "read_stamped", None)
+        started = time.perf_counter_ns()
         try:
             raw, stamp = stamped(key) if stamped is not None else (self.storage.read(key), None)
         except OSError as e:
             raise SampleError(f"cannot read sample {index} ({key}): {e.strerror or e}") from e
+        row[_STORAGE_NS] += time.perf_counter_ns() - started
         row[_MISSES] += 1
         row[_STORAGE_BYTES] += len(raw)
         if cache is not None and (stamp is not None or stamped is None):
@@ -224,11 +236,14 @@ class CachedDataset(torch.utils.data.Dataset):
             return self.dataset[index]
         raw = self.fetch(index, row)
         row[_SAMPLES] += 1
-        return self._decode(index, raw)
+        return self._decode(index, raw, row)
 
-    def _decode(self, index: int, raw) -> Any:
+    def _decode(self, index: int, raw, row: np.ndarray) -> Any:
+        started = time.perf_counter_ns()
         try:
-            return self.source.decode_raw(index, raw)
+            sample = self.source.decode_raw(index, raw)
+            row[_PREP_NS] += time.perf_counter_ns() - started
+            return sample
         except OSError as e:  # PIL reports corrupt and truncated images as OSError
             key = self.source.raw_key(index)
             raise SampleError(f"cannot decode sample {index} ({key}, {len(raw)} bytes): {e}") from e
@@ -254,4 +269,4 @@ class CachedDataset(torch.utils.data.Dataset):
         row = self.counters.row()
         raws = self.fetch_many(indices, row)
         row[_SAMPLES] += len(indices)
-        return [self._decode(index, raw) for index, raw in zip(indices, raws)]
+        return [self._decode(index, raw, row) for index, raw in zip(indices, raws)]

@@ -1,4 +1,5 @@
-"""The ``coordl`` command: ``coordl demo``, ``coordl cache ls|rm``, ``coordl group ls|rm``."""
+"""The ``coordl`` command: ``coordl demo``, ``coordl analyze``, ``coordl whatif``, ``coordl cache ls|rm``,
+``coordl group ls|rm``."""
 
 import argparse
 import sys
@@ -6,7 +7,7 @@ from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
 from coordl._shm import Unreadable, shm_dir
-from coordl._sizes import format_bytes
+from coordl._sizes import format_bytes, parse_bytes
 
 
 def _print_unreadable(found: list) -> None:
@@ -132,6 +133,43 @@ _fraction = _number(float, lambda value: 0 < value <= 1, "more than 0 and at mos
 _positive_number = _number(float, lambda value: value > 0, "a number above 0")
 
 
+def _analyze(args) -> int:
+    from coordl.analyzer import runner
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    return runner.main(args)
+
+
+def _whatif(args) -> int:
+    """``coordl whatif analysis.json [--cache SIZE] [--workers N] ...``: the analysis again with changes."""
+    from coordl import analyzer
+    try:
+        pipeline, _ = analyzer.load(args.analysis)
+        mb = 1e6 / pipeline.sample_bytes  # samples/s per MB/s
+        changed = pipeline.with_changes(
+            cache_fraction=None if args.cache is None else args.cache / (pipeline.samples * pipeline.sample_bytes),
+            workers=args.workers, servers=args.servers, jobs=args.jobs,
+            coordinated=True if args.coordinated else None,
+            storage_factor=1.0 if args.storage_mbps is None else args.storage_mbps * mb / pipeline.S,
+            R=None if args.peer_mbps is None else args.peer_mbps * mb)
+    except (OSError, ValueError) as e:
+        print(f"coordl whatif: {e}", file=sys.stderr)
+        return 2
+    print(f"as analyzed: {pipeline.predicted:.1f} samples/s per job, bound by "
+          f"{analyzer.BOTTLENECKS[pipeline.bottleneck]}")
+    print(f"with the changes: {changed.predicted:.1f} samples/s per job "
+          f"({changed.predicted / pipeline.predicted:.2f}x), bound by {analyzer.BOTTLENECKS[changed.bottleneck]}\n")
+    print(analyzer.describe(changed))
+    return 0
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _subcommands(parser: argparse.ArgumentParser, what: str):
     """``parser``'s subparsers; given none of them, the command fails naming them."""
     commands = parser.add_subparsers()
@@ -169,6 +207,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=_whole_number(1), default=32, help="samples per batch (default: 32)")
     demo.add_argument("--dir", help="keep the dataset in DIR (generated once) instead of a temporary folder")
     demo.set_defaults(func=_demo)
+
+    analyze = sub.add_parser("analyze", help="measure where a training script stalls (DS-Analyzer): "
+                                             "coordl analyze [options] -- python train.py ...")
+    analyze.add_argument("--out", default=".", help="where analysis.json, the plots and each phase's log go "
+                                                   "(default: the working directory)")
+    analyze.add_argument("--iters", type=_whole_number(1), default=100,
+                         help="batches each phase times (default: 100)")
+    analyze.add_argument("--warmup", type=_whole_number(0), default=10,
+                         help="batches each phase lets pass before timing (default: 10)")
+    analyze.add_argument("--timeout", type=_positive_number, default=600.0,
+                         help="seconds a phase may run before it is stopped (default: 600)")
+    analyze.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
+    analyze.set_defaults(func=_analyze)
+
+    whatif = sub.add_parser("whatif", help="predict a job's throughput with another cache, workers, storage, "
+                                           "servers or jobs, from the analysis.json `coordl analyze` wrote")
+    whatif.add_argument("analysis", help="an analysis.json")
+    whatif.add_argument("--cache", type=_byte_size, help="cache size, e.g. 64GiB")
+    whatif.add_argument("--workers", type=_whole_number(0), help="DataLoader worker processes")
+    whatif.add_argument("--storage-mbps", type=_positive_number, help="storage random-read bandwidth in MB/s")
+    whatif.add_argument("--servers", type=_whole_number(1), help="servers, with partitioned caching")
+    whatif.add_argument("--peer-mbps", type=_positive_number,
+                        help="what one server fetches from its peers, in MB/s (needed with --servers unless "
+                             "the analysis measured it)")
+    whatif.add_argument("--jobs", type=_whole_number(1), help="jobs reading the dataset at once on this server")
+    whatif.add_argument("--coordinated", action="store_true", help="those jobs share fetch and prep (hp_group)")
+    whatif.set_defaults(func=_whatif)
 
     _add_ls_rm(sub, "cache", "MinIO caches", ls=(_cache_ls, "list caches, their fill and users"),
                rm=(_cache_rm, "remove caches"), users="users", in_use="still in use")

@@ -135,7 +135,10 @@ class EpochLedger:
                               "batches": running.delivered if running.timed else running.handed})
         if running.counters is not None:
             for field, value in running.counters.totals().items():
-                setattr(epoch, field, value - running.start[field])
+                if field.endswith("_ns"):  # times: counted in ns, reported in seconds
+                    setattr(epoch, field[:-3] + "_s", (value - running.start[field]) / 1e9)
+                else:
+                    setattr(epoch, field, value - running.start[field])
         else:  # a dataset coordl does not wrap: what was handed to torch
             epoch.samples = running.yielded
         epoch.decoded = epoch.samples

@@ -24,6 +24,7 @@ from coordl._group_config import check_group_compatible, check_group_options
 from coordl._logging import configure_from_env
 from coordl._shm import shm_dir
 from coordl._sizes import format_bytes, parse_size_option
+from coordl.analyzer import phases as analyzer_phases
 from coordl.batch_sampler import EpochBatchSampler, EpochSampler
 from coordl.cache_setup import CACHE_VERIFY, wrap_dataset
 from coordl.cached_dataset import CachedDataset, PreparedCollate, SampleCounters
@@ -275,6 +276,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     # -- iteration and bookkeeping ---------------------------------------------------------
 
     def __iter__(self):
+        if analyzer_phases.current() is not None:  # run by `coordl analyze` (analyzer/phases.py)
+            return analyzer_phases.observe(self, self._epoch_iterator)
+        return self._epoch_iterator()
+
+    def _epoch_iterator(self) -> "_EpochIterator":
         self._fresh_counters()
         inner = super().__iter__()
         self._last_pass = weakref.ref(inner)

@@ -17,6 +17,10 @@ class EpochStats:
     In a partitioned job (``servers`` > 0), ``peer_hits`` and ``peer_bytes`` count the local misses
     fetched from other servers' caches; ``misses`` and ``storage_bytes`` count only storage reads. With
     ``locality_aware``, ``moved`` counts the samples another server caches that balancing gave this rank.
+    ``storage_wait_s``, ``peer_wait_s`` and ``prep_s`` are the seconds this job's loading processes spent
+    reading storage, waiting for peers and preparing samples (decode and transform; not counted with
+    ``backend="dali"``, whose prep is DALI's), summed over the processes: where the loading time goes, to
+    read beside ``stall_s``, the time the training loop waited.
     """
 
     epoch: int
@@ -40,6 +44,9 @@ class EpochStats:
     peer_hits: int = 0
     peer_bytes: int = 0
     moved: int = 0
+    storage_wait_s: float = 0.0
+    peer_wait_s: float = 0.0
+    prep_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -56,9 +63,11 @@ class EpochStats:
         line = (f"epoch={self.epoch} complete={int(self.complete)} samples={self.samples} batches={self.batches} "
                 f"hits={self.hits} misses={self.misses} stale={self.stale} cache_bytes={self.cache_bytes} "
                 f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
-                f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill}")
+                f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill} storage_wait_s={self.storage_wait_s:.3f} "
+                f"prep_s={self.prep_s:.3f}")
         if self.servers:
-            line += f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved}"
+            line += (f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved} "
+                     f"peer_wait_s={self.peer_wait_s:.3f}")
         if self.group is not None:
             line += (f" group={self.group} members={self.members} prepared={self.prepared} shared={self.shared} "
                      f"decoded={self.decoded} staging_wait_s={self.staging_wait_s:.3f}")
@@ -92,5 +101,6 @@ class LoaderStats:
 def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total``."""
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "stall_s", "time_s",
-                  "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved"):
+                  "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved", "storage_wait_s",
+                  "peer_wait_s", "prep_s"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))

@@ -87,7 +87,7 @@ def test_ls_says_what_each_cache_holds(image_root):
     assert f"{getpass.getuser()}:" not in out
 
 
-@pytest.mark.parametrize("command, choices", [((), "a command: demo, cache, group"),
+@pytest.mark.parametrize("command, choices", [((), "a command: demo, analyze, whatif, cache, group"),
                                               (("cache",), "a subcommand: ls, rm"),
                                               (("group",), "a subcommand: ls, rm")])
 def test_a_missing_subcommand_names_the_choices(command, choices):

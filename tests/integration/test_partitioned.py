@@ -99,7 +99,7 @@ def test_with_the_whole_dataset_cached_across_servers_storage_is_read_once(make_
     assert _epoch_sum(results, 1, "storage_bytes") == total
     for epoch in (2, 3):
         assert _epoch_sum(results, epoch, "storage_bytes") == 0
-        assert _epoch_sum(results, epoch, "peer_hits") > 0
+        assert _epoch_sum(results, epoch, "peer_hits") > 0 and _epoch_sum(results, epoch, "peer_wait_s") > 0
         assert _epoch_sum(results, epoch, "hits") + _epoch_sum(results, epoch, "peer_hits") == len(sizes)
         assert _epoch_sum(results, epoch, "peer_bytes") + _epoch_sum(results, epoch, "cache_bytes") == total
     assert len({r["owner_digest"] for r in results}) == 1  # one ownership map on every rank

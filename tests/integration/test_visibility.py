@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torchvision
@@ -68,6 +69,37 @@ def test_stats_per_epoch_and_total(image_root):
     as_dict = stats.as_dict()
     assert as_dict["epochs"][2]["hit_rate"] == 1.0 and as_dict["cache"]["fill_fraction"] == 1.0
     del it
+
+
+class _SlowStorage(FileStorage):
+    """Local files, each read taking at least ``READ_S``."""
+
+    def read_stamped(self, key):
+        time.sleep(READ_S)
+        return super().read_stamped(key)
+
+
+def _slow_prep(image):
+    time.sleep(PREP_S)
+    return image
+
+
+READ_S, PREP_S = 0.01, 0.005
+
+
+def test_stats_say_where_loading_time_goes(image_root):
+    """Seconds reading storage and preparing samples, summed over the workers: at least what each read and
+    each sample's transform slept, and no storage time once everything is cached."""
+    dataset = torchvision.datasets.ImageFolder(image_root, transform=_slow_prep)
+    with coordl.DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=list, cache_bytes=10**6,
+                           storage=_SlowStorage()) as loader:
+        for _ in range(2):
+            list(loader)
+        first, second = loader.stats().epochs
+    assert 96 * READ_S <= first.storage_wait_s < 96 * READ_S + 5
+    assert 96 * PREP_S <= first.prep_s < 96 * PREP_S + 5 and 96 * PREP_S <= second.prep_s < 96 * PREP_S + 5
+    assert second.storage_wait_s == 0 and second.peer_wait_s == first.peer_wait_s == 0
+    assert f"storage_wait_s={first.storage_wait_s:.3f} prep_s={first.prep_s:.3f}" in first.summary_line(None)
 
 
 def _resident_bytes(path) -> int:

@@ -1,0 +1,178 @@
+"""The data pipeline's model (CoorDL §5): measured rates in, predicted throughput and what-if answers out.
+
+A training job's throughput is the least of three rates, in samples per second: the fetch rate ``F``
+(cache and storage), the prep rate ``P`` (decode and augment, all workers) and the ingestion rate ``G``
+(the training step alone). For a cache holding a fraction ``x`` of a dataset of ``D`` samples, an epoch
+reads ``D·x`` samples from the cache at rate ``C`` and ``D·(1−x)`` from storage at rate ``S``:
+
+    F(x) = D / (D·x/C + D·(1−x)/S)
+
+(MinIO: a cache of x items gives at least x hits per epoch). With partitioned caching over ``N`` servers
+whose caches each hold ``x``, a rank's epoch takes ``x`` from its own cache, ``min(1, N·x) − x`` from
+peers at rate ``R`` and the rest from storage. Per epoch, the time lost to prep is what ``min(P, G)``
+costs beyond ``G``, and the time lost to fetching is what the throughput costs beyond ``min(P, G)``.
+"""
+
+import dataclasses
+import math
+
+BOTTLENECKS = {"fetch": "fetching (storage or cache)", "prep": "prep (decode and augment on the CPU)",
+               "ingestion": "the training step itself (no data stall)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """One job's data pipeline on one server, as measured.
+
+    Args:
+        samples, sample_bytes: the dataset: samples, and mean bytes per sample as stored.
+        G, P, S, C: ingestion, prep, storage fetch and cache fetch rates (samples/s).
+        cache_fraction: how much of the dataset the cache holds, in [0, 1].
+        workers: the loader's worker processes when ``P`` was measured (0: the main process loads).
+        cores: CPU cores available to prep.
+        R: peer fetch rate (samples/s) with partitioned caching, None when not measured.
+        servers: servers of the job, each with its own cache of ``cache_fraction``.
+        jobs: jobs on this server reading the dataset at once.
+        coordinated: whether those jobs share fetch and prep (``hp_group``) or each does its own.
+    """
+
+    samples: int
+    sample_bytes: float
+    G: float
+    P: float
+    S: float
+    C: float
+    cache_fraction: float
+    workers: int
+    cores: int
+    R: float | None = None
+    servers: int = 1
+    jobs: int = 1
+    coordinated: bool = False
+
+    def __post_init__(self):
+        for name in ("G", "P", "S", "C", "sample_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} should be a rate above 0, but got {getattr(self, name)!r}")
+        if self.R is not None and not self.R > 0:
+            raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
+        if not 0 <= self.cache_fraction <= 1:
+            raise ValueError(f"cache_fraction should be in [0, 1], but got {self.cache_fraction!r}")
+        if self.samples < 1 or self.cores < 1 or self.workers < 0 or self.servers < 1 or self.jobs < 1:
+            raise ValueError(f"samples, cores, servers and jobs should be at least 1 and workers at least 0: "
+                             f"{self.samples}, {self.cores}, {self.servers}, {self.jobs}, {self.workers}")
+        if self.servers > 1 and self.R is None:
+            raise ValueError("a pipeline over several servers needs the peer fetch rate R (`coordl whatif`: --peer-mbps)")
+
+    # -- the three rates -----------------------------------------------------------------------------------
+
+    @property
+    def fetch_rate(self) -> float:
+        """F: samples/s one job's loader fetches (each of ``jobs`` uncoordinated jobs reads every sample)."""
+        local = self.cache_fraction
+        aggregate = min(1.0, self.servers * local)
+        seconds = local / self.C + (1.0 - aggregate) / self.S  # per sample of an epoch
+        if aggregate > local:
+            seconds += (aggregate - local) / self.R
+        rate = math.inf if seconds == 0 else 1.0 / seconds
+        return rate if self.coordinated else rate / self.jobs
+
+    @property
+    def prep_rate(self) -> float:
+        """P: samples/s one job's prep delivers; it grows with the worker processes up to the cores."""
+        return self.P / (1 if self.coordinated else self.jobs)
+
+    @property
+    def predicted(self) -> float:
+        """Samples/s of one job: ``min(F, P, G)``; with no workers the training process fetches, prepares
+        and trains in turn, so the three times add up."""
+        if self.workers == 0:
+            return 1.0 / (1.0 / self.fetch_rate + 1.0 / self.prep_rate + 1.0 / self.G)
+        return min(self.fetch_rate, self.prep_rate, self.G)
+
+    @property
+    def bottleneck(self) -> str:
+        """The least rate: ``"fetch"``, ``"prep"`` or ``"ingestion"`` (no data stall)."""
+        rates = {"ingestion": self.G, "prep": self.prep_rate, "fetch": self.fetch_rate}
+        return min(rates, key=lambda k: (rates[k], list(rates).index(k)))  # a tie: the stage nearest the step
+
+    def stalls(self, samples_per_s: float | None = None) -> dict:
+        """Seconds per epoch: the training step alone (``ideal_s``), lost to prep and lost to fetching, at
+        ``samples_per_s`` (measured; default the prediction)."""
+        rate = self.predicted if samples_per_s is None else samples_per_s
+        if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching the rest
+            prep_s = self.samples / self.prep_rate
+        else:
+            prep_s = max(0.0, self.samples / min(self.prep_rate, self.G) - self.samples / self.G)
+        ideal_s = self.samples / self.G
+        return {"ideal_s": ideal_s, "prep_s": prep_s, "fetch_s": max(0.0, self.samples / rate - ideal_s - prep_s)}
+
+    # -- what if ---------------------------------------------------------------------------------------------
+
+    def with_changes(self, *, cache_fraction=None, workers=None, storage_factor=1.0, servers=None, jobs=None,
+                     coordinated=None, R=None) -> "Pipeline":
+        """The pipeline with another cache, worker count, storage ``storage_factor`` times as fast, servers,
+        jobs or peer rate. More workers scale ``P`` in proportion to the processes doing prep, up to the
+        cores (the measured rate per process times the processes)."""
+        changes = {"S": self.S * storage_factor}
+        if cache_fraction is not None:
+            changes["cache_fraction"] = min(1.0, cache_fraction)
+        if workers is not None:
+            changes.update(workers=workers, P=self.P * _processes(workers, self.cores) /
+                           _processes(self.workers, self.cores))
+        for name, value in (("servers", servers), ("jobs", jobs), ("coordinated", coordinated), ("R", R)):
+            if value is not None:
+                changes[name] = value
+        return dataclasses.replace(self, **changes)
+
+    def cache_knee(self) -> float | None:
+        """The least cache fraction at which fetching no longer limits the job (``F ≥ min(P, G)``); None
+        when no cache on this server can do it (the cache's own rate is below the target)."""
+        target = min(self.prep_rate, self.G)
+        fits = lambda x: self.with_changes(cache_fraction=x).fetch_rate >= target * (1 - 1e-12)
+        if not fits(1.0):
+            return None
+        low, high = 0.0, 1.0  # F grows with x: bisect to 1e-6
+        if fits(low):
+            return 0.0
+        while high - low > 1e-6:
+            mid = (low + high) / 2
+            low, high = (low, mid) if fits(mid) else (mid, high)
+        return high
+
+    def workers_knee(self) -> int | None:
+        """The fewest workers (at least 1) whose prep keeps up with the training step (``P ≥ G``); None when
+        all the cores cannot."""
+        for workers in range(1, self.cores + 1):  # with none, prep never overlaps the step
+            if self.with_changes(workers=workers).prep_rate >= self.G * (1 - 1e-12):
+                return workers
+        return None
+
+
+def _processes(workers: int, cores: int) -> int:
+    """Processes doing prep: the workers (the main process when there are none), at most the cores."""
+    return min(max(workers, 1), cores)
+
+
+def answers(pipeline: Pipeline, jobs=(2, 4), servers=(2, 4)) -> list[dict]:
+    """The standard what-if questions about ``pipeline``, each with the predicted samples/s (per job)."""
+    p = pipeline
+    out = []
+    knee = p.cache_knee()
+    out.append({"question": "smallest cache that removes the fetch stall",
+                "cache_fraction": knee, "cache_bytes": None if knee is None else knee * p.samples * p.sample_bytes,
+                "samples_per_s": None if knee is None else p.with_changes(cache_fraction=knee).predicted})
+    workers = p.workers_knee()
+    out.append({"question": "fewest workers that remove the prep stall", "workers": workers,
+                "samples_per_s": None if workers is None else p.with_changes(workers=workers).predicted})
+    out.append({"question": "storage twice as fast", "storage_factor": 2.0,
+                "samples_per_s": p.with_changes(storage_factor=2.0).predicted})
+    for k in jobs:
+        out.append({"question": f"{k} jobs at once, coordinated prep against each on its own", "jobs": k,
+                    "samples_per_s": p.with_changes(jobs=k, coordinated=True).predicted,
+                    "uncoordinated_samples_per_s": p.with_changes(jobs=k, coordinated=False).predicted})
+    if p.R is not None:
+        for n in servers:
+            out.append({"question": f"{n} servers with partitioned caching", "servers": n,
+                        "samples_per_s": p.with_changes(servers=n).predicted})
+    return out

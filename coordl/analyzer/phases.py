@@ -1,0 +1,201 @@
+"""What a training script's ``coordl.DataLoader`` does when ``coordl analyze`` runs it in a phase.
+
+The runner (``runner.py``) starts the script with ``COORDL_ANALYZE_PHASE`` set; the first loader the
+script iterates then measures, writes its result (JSON) to ``COORDL_ANALYZE_RESULT`` and ends the
+script (``SystemExit(0)``, so every loader, worker and cache is released as at any exit):
+
+* ``ingestion``: the loader hands the training loop one real batch over and over, so the loop runs at
+  its own speed with no fetch or prep at all: ``G``, samples/s, over ``COORDL_ANALYZE_ITERS`` batches
+  after ``COORDL_ANALYZE_WARMUP``.
+* ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
+  of the dataset's raw bytes, no prep, on as many threads as cores; each file is dropped from the page
+  cache first, and the process's block-device reads say whether the reads really were cold), ``C``
+  (the same items through the cache's hit path), and ``P`` (that subset, cached, decoded and transformed
+  by the loader's workers with nothing else running, the second of two passes).
+* ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
+  fraction.
+"""
+
+import concurrent.futures
+import json
+import os
+import random
+import time
+
+import torch
+
+PHASE_ENV = "COORDL_ANALYZE_PHASE"
+RESULT_ENV = "COORDL_ANALYZE_RESULT"
+ITERS_ENV = "COORDL_ANALYZE_ITERS"
+WARMUP_ENV = "COORDL_ANALYZE_WARMUP"
+PHASES = ("ingestion", "rates", "run")
+CLAIMED = ".claimed"
+"""Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
+coordl loader" from "too few batches" by it)."""
+_measured = []  # the window of the loader this process's phase measures (the first one iterated)
+
+
+def current() -> str | None:
+    """This process's phase, or None outside ``coordl analyze``."""
+    phase = os.environ.get(PHASE_ENV)
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"{PHASE_ENV} should be one of {PHASES}, but got {phase!r}")
+    return phase
+
+
+def _finish(result: dict) -> None:
+    """Write the phase's result and end the script."""
+    path = os.environ[RESULT_ENV]
+    with open(path + ".part", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".part", path)
+    raise SystemExit(0)
+
+
+def observe(loader, start):
+    """The iterator the script gets from ``iter(loader)`` in a phase (``start()`` makes the loader's own): the
+    loader's own unless it is the one measured."""
+    if _measured and _measured[0].loader is not loader:
+        return start()
+    if not _measured:
+        _measured.append(_Window(loader, current()))
+        open(os.environ[RESULT_ENV] + CLAIMED, "w").close()
+        if _measured[0].phase == "rates":  # before any worker starts
+            _finish(measure_rates(loader, (_measured[0].warmup + _measured[0].iters) * loader.batch_size))
+    return _Timed(_measured[0], start())
+
+
+class _Window:
+    """The batches the training loop has taken from the measured loader (across its epochs), and the time
+    and cache counts when the timed ``iters`` began, after ``warmup``."""
+
+    def __init__(self, loader, phase: str):
+        self.loader, self.phase = loader, phase
+        self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
+        self.taken, self.started, self.hits_before, self.first = 0, None, None, None
+
+    def result(self) -> dict:
+        elapsed = time.perf_counter() - self.started
+        out = {"phase": self.phase, "samples_per_s": self.iters * self.loader.batch_size / elapsed,
+               "iters": self.iters, "batch_size": self.loader.batch_size}
+        if self.phase == "run":
+            hits, fetched = _hits(self.loader)
+            out["hit_fraction"] = (hits - self.hits_before[0]) / max(1, fetched - self.hits_before[1])
+        return out
+
+
+class _Timed:
+    """One pass's iterator in a timed phase; in the ingestion phase every batch after the first is the
+    first again, and the workers are stopped once it is in."""
+
+    def __init__(self, window: _Window, iterator):
+        self._window, self._iterator = window, iterator
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __next__(self):
+        w = self._window
+        if w.taken == w.warmup + w.iters:
+            _finish(w.result())
+        if w.taken == w.warmup:
+            w.started, w.hits_before = time.perf_counter(), _hits(w.loader)
+        if w.phase == "ingestion" and w.first is not None:
+            batch = w.first
+        else:
+            batch = next(self._iterator)
+            if w.phase == "ingestion":
+                w.first = batch
+                shutdown = getattr(self._iterator, "_shutdown_workers", None)
+                if shutdown is not None:  # nothing loads while the loop runs
+                    shutdown()
+        w.taken += 1
+        return batch
+
+
+def _hits(loader) -> tuple[int, int]:
+    """Samples served from a cache (this server's or a peer's) and samples fetched, so far."""
+    total = loader.stats().total
+    return total.hits + total.peer_hits, total.hits + total.peer_hits + total.misses
+
+
+def measure_rates(loader, samples: int) -> dict:
+    """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
+    (see the module's docstring)."""
+    dataset = loader.dataset
+    source, storage, cache = getattr(dataset, "source", None), getattr(dataset, "storage", None), \
+        getattr(dataset, "cache", None)
+    if source is None or loader.epoch_ledger.feed is not None:
+        raise RuntimeError("coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
+                           "workers (backend='torch', no hp_group), over a dataset coordl can read raw (an "
+                           f"ImageFolder, DatasetFolder, their Subsets, ...); this one is {type(loader.dataset.dataset).__name__}"
+                           f" with backend={loader.backend!r}")
+    cores = len(os.sched_getaffinity(0))
+    n = min(len(dataset), samples)
+    subset = random.Random(0).sample(range(len(dataset)), n)
+    keys = [source.raw_key(i) for i in subset]
+    for key in keys:
+        _evict(key)
+    device_before = _device_read_bytes()
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+        raws = list(pool.map(storage.read_stamped if hasattr(storage, "read_stamped") else storage.read, keys))
+    storage_s = time.perf_counter() - started
+    device_read = _device_read_bytes() - device_before
+    stamped = hasattr(storage, "read_stamped")
+    sizes = [len(r[0] if stamped else r) for r in raws]
+    result = {"phase": "rates", "samples": len(dataset), "sample_bytes": sum(sizes) / n, "subset": n,
+              "S": n / storage_s, "cores": cores, "workers": loader.num_workers, "batch_size": loader.batch_size,
+              "cache_bytes": cache.capacity_bytes if cache is not None else 0,
+              "cold_fraction": None if device_read is None else device_read / max(1, sum(sizes))}
+    if cache is not None:
+        for index, raw in zip(subset, raws):
+            cache.put(index, *raw) if stamped else cache.put(index, raw, None)
+        row = dataset.counters.row()
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+            served = list(pool.map(lambda i: dataset._cached(i, row), subset))
+        result["C"] = n / (time.perf_counter() - started)
+        result["cached_fraction"] = sum(raw is not None for raw in served) / n
+    else:
+        result["C"], result["cached_fraction"] = None, 0.0
+    result["P"] = _prep_rate(loader, subset)
+    return result
+
+
+def _prep_rate(loader, subset: list[int]) -> float:
+    """Samples/s of the loader's workers preparing ``subset`` (cached by now): the second of two passes."""
+    prep = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(loader.dataset, subset), batch_size=loader.batch_size,
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, persistent_workers=loader.num_workers > 0,
+        multiprocessing_context=loader.multiprocessing_context, worker_init_fn=loader.worker_init_fn)
+    for _ in prep:  # the workers start, and every sample is in the cache
+        pass
+    started = time.perf_counter()
+    for _ in prep:
+        pass
+    return len(subset) / (time.perf_counter() - started)
+
+
+def _evict(path: str) -> None:
+    """Drop ``path`` from the page cache (a path that is not a local file is left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (OSError, TypeError):
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _device_read_bytes() -> int | None:
+    """Bytes this process has caused to be read from block devices (``/proc/self/io``), None if unknown."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError):
+        return None

@@ -1,0 +1,111 @@
+"""``analysis.json`` (what ``coordl whatif`` reads) and the terminal report of a :class:`Pipeline`."""
+
+import json
+import math
+
+from coordl._sizes import format_bytes
+from coordl.analyzer.model import BOTTLENECKS, Pipeline, answers
+
+FORMAT = "coordl-analysis/1"
+
+
+def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
+    """The analysis of ``pipeline`` (and, if given, the throughput measured with it) as ``analysis.json``."""
+    p = pipeline
+    dataset_bytes = p.samples * p.sample_bytes
+    return {"format": FORMAT,
+            "dataset": {"samples": p.samples, "bytes": dataset_bytes},
+            "config": {"cache_bytes": p.cache_fraction * dataset_bytes, "workers": p.workers, "cores": p.cores,
+                       "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated},
+            "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
+            "fetch_samples_per_s": p.fetch_rate,
+            "predicted_samples_per_s": p.predicted,
+            "measured_samples_per_s": measured,
+            "bottleneck": p.bottleneck,
+            "stall": p.stalls(measured),
+            "whatif": answers(p)}
+
+
+def save(path: str, pipeline: Pipeline, measured: float | None = None, extra: dict | None = None) -> None:
+    """Write the analysis (:func:`to_json`, plus ``extra`` fields) to ``path``."""
+    with open(path, "w") as f:
+        json.dump({**to_json(pipeline, measured), **(extra or {})}, f, indent=1)
+
+
+def load(path: str) -> tuple[Pipeline, float | None]:
+    """The pipeline and the measured samples/s (None if not measured) of an ``analysis.json``.
+
+    Raises:
+        ValueError: the file is not an analysis, or a field is missing or wrong (named).
+    """
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a coordl analysis (no \"format\": \"{FORMAT}\"); "
+                         "`coordl analyze` writes one")
+    try:
+        dataset, config, rates = doc["dataset"], doc["config"], doc["rates"]
+        pipeline = Pipeline(samples=int(dataset["samples"]), sample_bytes=dataset["bytes"] / dataset["samples"],
+                            G=rates["G"], P=rates["P"], S=rates["S"], C=rates["C"], R=rates.get("R"),
+                            cache_fraction=min(1.0, config["cache_bytes"] / dataset["bytes"]),
+                            workers=int(config["workers"]), cores=int(config["cores"]),
+                            servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
+                            coordinated=bool(config.get("coordinated", False)))
+    except KeyError as e:
+        raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
+    except (TypeError, ZeroDivisionError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return pipeline, doc.get("measured_samples_per_s")
+
+
+def _rate(samples_per_s: float, sample_bytes: float) -> str:
+    if math.isinf(samples_per_s):
+        return "unbounded"
+    return f"{samples_per_s:10.1f} samples/s {samples_per_s * sample_bytes / 1e6:9.1f} MB/s"
+
+
+def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: float | None = None) -> str:
+    """The report: the rates, the prediction and its bottleneck in one sentence, the stall split per epoch
+    and the what-if answers. ``measured``, measured with a cache hit fraction of ``measured_hits`` (default:
+    the pipeline's cache fraction), is set beside the prediction for those hits."""
+    p = pipeline
+    dataset_bytes = p.samples * p.sample_bytes
+    lines = [f"dataset {p.samples} samples, {format_bytes(dataset_bytes)}; cache "
+             f"{format_bytes(p.cache_fraction * dataset_bytes)} ({p.cache_fraction:.0%}), {p.workers} workers on "
+             f"{p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
+             (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else ""),
+             f"  G ingestion     {_rate(p.G, p.sample_bytes)}",
+             f"  P prep          {_rate(p.prep_rate, p.sample_bytes)}",
+             f"  S storage       {_rate(p.S, p.sample_bytes)}",
+             f"  C cache         {_rate(p.C, p.sample_bytes)}"]
+    if p.R is not None:
+        lines.append(f"  R peers         {_rate(p.R, p.sample_bytes)}")
+    lines += [f"  F fetch         {_rate(p.fetch_rate, p.sample_bytes)}",
+              f"  predicted       {_rate(p.predicted, p.sample_bytes)}"]
+    if measured is not None:
+        hits = p.cache_fraction if measured_hits is None else measured_hits
+        expected = p.with_changes(cache_fraction=hits).predicted
+        lines.append(f"  measured        {_rate(measured, p.sample_bytes)}  (with {hits:.0%} cache hits; "
+                     f"predicted {expected:.1f}, {(expected - measured) / measured:+.1%})")
+    lines.append(f"bottleneck: {BOTTLENECKS[p.bottleneck]}")
+    stall = p.stalls(measured)
+    lines.append(f"per epoch: {stall['ideal_s']:.1f} s training, {stall['prep_s']:.1f} s prep stall, "
+                 f"{stall['fetch_s']:.1f} s fetch stall")
+    lines.append("what if:")
+    for a in answers(p):
+        rate = a["samples_per_s"]
+        if "cache_fraction" in a:
+            text = ("no cache is enough: the cache itself is slower than prep" if rate is None else
+                    f"{format_bytes(a['cache_bytes'])} ({a['cache_fraction']:.0%} of the dataset)")
+        elif "workers" in a:
+            text = "all the cores are not enough" if rate is None else f"{a['workers']} workers"
+        else:
+            text = ""
+        extra = f" (each on its own: {a['uncoordinated_samples_per_s']:.1f})" if "uncoordinated_samples_per_s" in a \
+            else ""
+        rate_text = "" if rate is None else f"{rate:.1f} samples/s{extra}"
+        lines.append(f"  {a['question']}: " + ", ".join(t for t in (text, rate_text) if t))
+    return "\n".join(lines)

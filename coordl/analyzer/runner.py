@@ -1,0 +1,167 @@
+"""``coordl analyze -- COMMAND``: run a training script in DS-Analyzer's phases and model what it measured.
+
+Each phase is a run of the unchanged command with ``COORDL_ANALYZE_PHASE`` set (see ``phases.py``), in a
+process group of its own and a shared-memory directory of its own, both removed when the phase ends:
+nothing it started is left running or in ``/dev/shm``.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from coordl._shm import SHM_DIR_ENV, shm_dir
+from coordl.analyzer import phases
+from coordl.analyzer.model import Pipeline
+
+PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and over)",
+                "rates": "S, C, P: storage, cache and prep, with the training loop idle",
+                "run": "the script as configured"}
+STOP_GRACE_S = 5.0
+
+
+class PhaseFailed(RuntimeError):
+    """A phase gave no result: the script failed, ended too early or never iterated a coordl loader."""
+
+
+def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmup: int, timeout_s: float,
+              say=print) -> dict:
+    """Run ``command`` in ``phase`` and return its result (``phases.py``); its output goes to
+    ``out_dir/phase-<phase>.log``.
+
+    Raises:
+        PhaseFailed: the script exited without a result (why, and its last lines), or ran past ``timeout_s``.
+    """
+    result_path = os.path.join(out_dir, f"phase-{phase}.json")
+    log_path = os.path.join(out_dir, f"phase-{phase}.log")
+    for path in (result_path, result_path + phases.CLAIMED):
+        if os.path.exists(path):
+            os.remove(path)
+    shm = tempfile.mkdtemp(prefix="coordl-analyze-", dir=shm_dir())  # removed with all it holds when the phase ends
+    env = dict(os.environ, **{phases.PHASE_ENV: phase, phases.RESULT_ENV: result_path, phases.ITERS_ENV: str(iters),
+                              phases.WARMUP_ENV: str(warmup), SHM_DIR_ENV: shm})
+    started = time.monotonic()
+    try:
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            except OSError as e:
+                raise PhaseFailed(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+            try:
+                status = _wait(proc, started, timeout_s, phase, say)
+            finally:
+                _stop_group(proc)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    tail = _tail(log_path)
+    if status is None:
+        raise PhaseFailed(f"the {phase} phase ran past {timeout_s:.0f} s and was stopped (--timeout); the "
+                          f"script's last lines ({log_path}):\n{tail}")
+    if not os.path.exists(result_path + phases.CLAIMED):
+        raise PhaseFailed(f"the script exited (status {status}) without iterating a coordl.DataLoader, so there is "
+                          f"nothing to measure; its last lines ({log_path}):\n{tail}")
+    if status != 0:
+        raise PhaseFailed(f"the script failed in the {phase} phase (exit status {status}); its last lines "
+                          f"({log_path}):\n{tail}")
+    raise PhaseFailed(f"the script ended after fewer than {warmup + iters} batches (--warmup {warmup} + "
+                      f"--iters {iters}): run it for longer, or lower --iters")
+
+
+def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, say) -> int | None:
+    """The exit status, or None past ``timeout_s``; says every 10 s that the phase is still running."""
+    said = started
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if now - started > timeout_s:
+                return None
+            if now - said >= 10:
+                said = now
+                say(f"  ... {phase}: {now - started:.0f} s")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End whatever the phase started (its workers, a peer server, torchrun's ranks): SIGTERM, then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+    if proc.poll() is None:
+        proc.wait()
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    with open(path, "rb") as f:
+        return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+
+
+def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int = 10, timeout_s: float = 600.0,
+            say=print) -> tuple[Pipeline, dict]:
+    """Every phase of ``command``, then the model: the pipeline and what was measured (``results``: each
+    phase's result, ``flags``: what makes a rate doubtful)."""
+    os.makedirs(out_dir, exist_ok=True)
+    results = {}
+    for n, phase in enumerate(phases.PHASES, 1):
+        say(f"[{n}/{len(phases.PHASES)}] {PHASE_TITLES[phase]}")
+        started = time.monotonic()
+        results[phase] = run_phase(command, phase, out_dir, iters=iters, warmup=warmup, timeout_s=timeout_s,
+                                   say=say)
+        say(f"  done in {time.monotonic() - started:.0f} s")
+    rates, g = results["rates"], results["ingestion"]["samples_per_s"]
+    dataset_bytes = rates["samples"] * rates["sample_bytes"]
+    flags = []
+    if rates["cold_fraction"] is not None and rates["cold_fraction"] < 0.5:
+        flags.append(f"S: only {rates['cold_fraction']:.0%} of the storage reads came from a block device; the "
+                     "rest was served from memory (the page cache, or a RAM-backed file system), so S is too high "
+                     "for cold reads")
+    if rates["C"] is None:
+        flags.append("C: the loader has no cache (cache_bytes=0), so every sample comes from storage")
+    pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
+                        S=rates["S"], C=rates["C"] or rates["S"], workers=rates["workers"], cores=rates["cores"],
+                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes) if rates["C"] else 0.0)
+    return pipeline, {"results": results, "flags": flags}
+
+
+def main(args) -> int:
+    """``coordl analyze``: the phases, the report, ``analysis.json`` and the plots in ``--out``."""
+    from coordl.analyzer import plots, report
+    if not args.command:
+        print("coordl analyze: give the training command after --, e.g. coordl analyze -- python train.py",
+              file=sys.stderr)
+        return 2
+    try:
+        pipeline, measured = analyze(args.command, args.out, iters=args.iters, warmup=args.warmup,
+                                     timeout_s=args.timeout)
+    except PhaseFailed as e:
+        print(f"coordl analyze: {e}", file=sys.stderr)
+        return 1
+    run = measured["results"]["run"]
+    path = os.path.join(args.out, "analysis.json")
+    report.save(path, pipeline, run["samples_per_s"], extra={
+        "measured_hit_fraction": run["hit_fraction"],
+        "predicted_at_measured_hits": pipeline.with_changes(cache_fraction=run["hit_fraction"]).predicted,
+        "flags": measured["flags"], "phases": measured["results"]})
+    print(report.describe(pipeline, run["samples_per_s"], run["hit_fraction"]))
+    for flag in measured["flags"]:
+        print(f"note: {flag}")
+    written = plots.draw(pipeline, run["samples_per_s"], args.out)
+    print(f"wrote {path}" + "".join(f", {p}" for p in written))
+    return 0

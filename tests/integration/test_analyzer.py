@@ -1,0 +1,62 @@
+"""``coordl analyze`` on a small training script: every phase measured for real, the report and its files,
+and the scripts it cannot measure (failing, too short, without a coordl loader), with nothing left behind
+(the shm fixture fails a test that leaves a process or a segment)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_analyze_job.py")
+BATCH = 8
+
+
+def _analyze(out, root, *job_args, iters=20, warmup=3):
+    return subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(out), "--iters", str(iters),
+                           "--warmup", str(warmup), "--timeout", "120", "--", sys.executable, JOB, root, *job_args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
+    step_s = 0.02  # the training step: G is at most BATCH / step_s
+    proc = _analyze(tmp_path, image_root, "--step-s", str(step_s))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    rates = doc["rates"]
+    assert 0.5 * BATCH / step_s < rates["G"] <= BATCH / step_s
+    assert all(rates[k] > 0 for k in "PSC")
+    assert doc["dataset"]["samples"] == 96
+    assert doc["dataset"]["bytes"] == pytest.approx(sum(os.path.getsize(os.path.join(d, f))
+                                                        for d, _, fs in os.walk(image_root) for f in fs))
+    assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], rates["P"], rates["G"])
+    assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
+    assert 0 <= doc["measured_hit_fraction"] <= 1
+    assert doc["phases"]["ingestion"]["iters"] == 20 and doc["phases"]["rates"]["subset"] == 96
+    assert "bottleneck:" in proc.stdout and "what if:" in proc.stdout and "[3/3]" in proc.stdout
+    for name in ("phase-ingestion.log", "phase-rates.log", "phase-run.log"):
+        assert (tmp_path / name).exists()
+    again = subprocess.run([sys.executable, "-m", "coordl.cli", "whatif", str(tmp_path / "analysis.json"), "--workers",
+                            "2"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "with the changes:" in again.stdout
+
+
+def test_a_failing_script_is_reported_with_its_last_lines(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--fail-at", "2")
+    assert proc.returncode == 1
+    assert "failed in the ingestion phase (exit status 1)" in proc.stderr
+    assert "the training step failed at batch 2" in proc.stderr
+    assert not (tmp_path / "analysis.json").exists()
+
+
+def test_a_script_without_a_coordl_loader_is_told_so(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--torch-loader", "--epochs", "1")
+    assert proc.returncode == 1
+    assert "without iterating a coordl.DataLoader" in proc.stderr
+
+
+def test_a_script_that_ends_too_soon_is_told_how_many_batches_a_phase_needs(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--epochs", "1", iters=20, warmup=3)  # 12 batches an epoch
+    assert proc.returncode == 1
+    assert "fewer than 23 batches" in proc.stderr and "--iters" in proc.stderr

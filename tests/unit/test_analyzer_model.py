@@ -1,0 +1,131 @@
+"""DS-Analyzer's model on constructed rates: F(x), min(F, P, G), the bottleneck, the stall split, the what-if
+knees and ``analysis.json``."""
+
+import json
+
+import pytest
+
+from coordl import analyzer, cli
+from coordl.analyzer import Pipeline
+
+BASE = dict(samples=10_000, sample_bytes=100_000.0, G=900.0, P=600.0, S=150.0, C=50_000.0, cache_fraction=0.3,
+            workers=4, cores=8)
+
+
+def test_the_fetch_rate_is_the_papers_equation_4():
+    p = Pipeline(**BASE)
+    d, x = p.samples, p.cache_fraction
+    assert p.fetch_rate == pytest.approx(d / (d * x / p.C + d * (1 - x) / p.S))
+    assert Pipeline(**{**BASE, "cache_fraction": 0.0}).fetch_rate == pytest.approx(p.S)
+    assert Pipeline(**{**BASE, "cache_fraction": 1.0}).fetch_rate == pytest.approx(p.C)
+
+
+@pytest.mark.parametrize("x, bottleneck", [(0.0, "fetch"), (0.5, "fetch"), (0.9, "prep")])
+def test_the_prediction_is_the_least_rate_and_names_it(x, bottleneck):
+    p = Pipeline(**{**BASE, "cache_fraction": x})
+    assert p.predicted == min(p.fetch_rate, p.P, p.G)
+    assert p.bottleneck == bottleneck
+    fast_prep = Pipeline(**{**BASE, "cache_fraction": x, "P": 5000.0})
+    assert fast_prep.bottleneck == ("fetch" if x < 0.9 else "ingestion")
+
+
+def test_without_workers_fetch_prep_and_the_step_take_turns():
+    p = Pipeline(**{**BASE, "workers": 0})
+    assert p.predicted == pytest.approx(1 / (1 / p.fetch_rate + 1 / p.P + 1 / p.G))
+    stall = p.stalls()
+    assert stall["prep_s"] == pytest.approx(p.samples / p.P)
+    assert stall["fetch_s"] == pytest.approx(p.samples / p.fetch_rate)
+    assert p.workers_knee() == 2  # at least one worker; P was measured on one process: 600 samples/s each
+
+
+def test_the_stall_split_adds_up_to_the_epoch():
+    p = Pipeline(**BASE)
+    for measured in (None, 180.0):
+        stall = p.stalls(measured)
+        rate = p.predicted if measured is None else measured
+        assert stall["ideal_s"] + stall["prep_s"] + stall["fetch_s"] == pytest.approx(p.samples / rate)
+        assert stall["prep_s"] == pytest.approx(p.samples / p.P - p.samples / p.G)
+
+
+def test_the_cache_knee_is_where_fetching_meets_prep():
+    p = Pipeline(**BASE)
+    knee = p.cache_knee()
+    target = min(p.P, p.G)
+    assert p.with_changes(cache_fraction=knee).fetch_rate == pytest.approx(target, rel=1e-4)
+    assert p.with_changes(cache_fraction=knee - 0.01).fetch_rate < target
+    assert Pipeline(**{**BASE, "S": 1000.0}).cache_knee() == 0.0  # storage alone keeps up
+    assert Pipeline(**{**BASE, "C": 500.0}).cache_knee() is None  # the cache itself is slower than prep
+
+
+def test_workers_scale_prep_up_to_the_cores():
+    p = Pipeline(**BASE)  # 150 samples/s per process
+    assert p.with_changes(workers=2).P == pytest.approx(300.0)
+    assert p.with_changes(workers=0).P == pytest.approx(150.0)  # the main process alone
+    assert p.with_changes(workers=32).P == pytest.approx(1200.0)  # 8 cores
+    assert p.workers_knee() == 6  # 6 × 150 = G
+    assert Pipeline(**{**BASE, "G": 5000.0}).workers_knee() is None
+
+
+def test_storage_servers_and_jobs():
+    p = Pipeline(**BASE)
+    assert p.with_changes(storage_factor=2.0).S == 2 * p.S
+    with pytest.raises(ValueError, match="peer fetch rate R"):
+        p.with_changes(servers=2)
+    peers = p.with_changes(R=2000.0, servers=2)  # 30% here, 30% from the peer, 40% from storage
+    assert peers.fetch_rate == pytest.approx(1 / (0.3 / p.C + 0.3 / 2000.0 + 0.4 / p.S))
+    assert p.with_changes(R=2000.0, servers=4).fetch_rate == pytest.approx(1 / (0.3 / p.C + 0.7 / 2000.0))
+    separate, together = p.with_changes(jobs=4), p.with_changes(jobs=4, coordinated=True)
+    assert separate.predicted == pytest.approx(p.predicted / 4)  # each job fetches and preps everything
+    assert together.predicted == pytest.approx(p.predicted)
+
+
+@pytest.mark.parametrize("field, value", [("G", 0.0), ("S", -1.0), ("cache_fraction", 1.5), ("cores", 0)])
+def test_a_wrong_rate_or_setting_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        Pipeline(**{**BASE, field: value})
+
+
+def test_an_analysis_round_trips_through_its_json(tmp_path):
+    p = Pipeline(**{**BASE, "R": 2000.0})
+    path = str(tmp_path / "analysis.json")
+    analyzer.save(path, p, measured=205.0)
+    doc = json.load(open(path))
+    assert doc["predicted_samples_per_s"] == pytest.approx(p.predicted) and doc["bottleneck"] == "fetch"
+    assert set(doc["rates"]) == {"G", "P", "S", "C", "R"} and set(doc["stall"]) == {"ideal_s", "prep_s", "fetch_s"}
+    again, measured = analyzer.load(path)
+    assert again == p and measured == 205.0
+    questions = [a["question"] for a in doc["whatif"]]
+    assert any("cache" in q for q in questions) and any("servers" in q for q in questions)
+    report = analyzer.describe(p, 205.0)
+    assert "bottleneck: fetching" in report and "fetch stall" in report
+
+
+def test_a_file_that_is_not_an_analysis_is_named(tmp_path):
+    bad = tmp_path / "a.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="a.json is not a coordl analysis"):
+        analyzer.load(str(bad))
+    doc = analyzer.to_json(Pipeline(**BASE))
+    del doc["rates"]["P"]
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="'P' is missing"):
+        analyzer.load(str(bad))
+
+
+def test_whatif_answers_again_from_the_file_with_the_changes_given(tmp_path, capsys):
+    p = Pipeline(**BASE)
+    path = str(tmp_path / "analysis.json")
+    analyzer.save(path, p)
+    assert cli.main(["whatif", path, "--cache", "800MiB", "--workers", "6", "--storage-mbps", "30"]) == 0
+    expected = p.with_changes(cache_fraction=800 * 2**20 / (p.samples * p.sample_bytes), workers=6,
+                              storage_factor=30e6 / p.sample_bytes / p.S)
+    out = capsys.readouterr().out
+    assert f"as analyzed: {p.predicted:.1f} samples/s" in out
+    assert f"with the changes: {expected.predicted:.1f} samples/s" in out
+    assert cli.main(["whatif", path, "--servers", "2"]) == 2
+    assert "--peer-mbps" in capsys.readouterr().err
+    assert cli.main(["whatif", path, "--servers", "4", "--peer-mbps", "200"]) == 0
+    four = p.with_changes(servers=4, R=200e6 / p.sample_bytes)
+    assert f"with the changes: {four.predicted:.1f} samples/s" in capsys.readouterr().out
+    assert cli.main(["whatif", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
