@@ -10,13 +10,15 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
   of the dataset's raw bytes, no prep, on as many threads as cores; each file is dropped from the page
   cache first, and the process's block-device reads say whether the reads really were cold), ``C``
-  (the same items through the cache's hit path), and ``P`` (that subset, cached, decoded and transformed
-  by the loader's workers with nothing else running, the second of two passes).
+  (the same items through the cache's hit path), and ``P`` (the items the cache took, or where it took
+  too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
+  nothing else running, over at least 2 passes and 3 s after a first that starts the workers).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -29,6 +31,10 @@ RESULT_ENV = "COORDL_ANALYZE_RESULT"
 ITERS_ENV = "COORDL_ANALYZE_ITERS"
 WARMUP_ENV = "COORDL_ANALYZE_WARMUP"
 PHASES = ("ingestion", "rates", "run")
+PREP_MIN_BATCHES = 4
+"""Batches' worth of cached samples P is measured over through the cache; with fewer, from memory."""
+PREP_MIN_S = 3.0
+"""The least time P is measured over."""
 CLAIMED = ".claimed"
 """Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
 coordl loader" from "too few batches" by it)."""
@@ -159,25 +165,46 @@ def measure_rates(loader, samples: int) -> dict:
         with concurrent.futures.ThreadPoolExecutor(cores) as pool:
             served = list(pool.map(lambda i: dataset._cached(i, row), subset))
         result["C"] = n / (time.perf_counter() - started)
-        result["cached_fraction"] = sum(raw is not None for raw in served) / n
+        cached = [i for i, raw in zip(subset, served) if raw is not None]
+        result["cached_fraction"] = len(cached) / n
     else:
-        result["C"], result["cached_fraction"] = None, 0.0
-    result["P"] = _prep_rate(loader, subset)
+        result["C"], result["cached_fraction"], cached = None, 0.0, []
+    if len(cached) >= min(n, PREP_MIN_BATCHES * loader.batch_size):  # through the cache, as the job's hits go
+        result["P"], result["P_from"] = _prep_rate(loader, torch.utils.data.Subset(dataset, cached)), "cache"
+    else:  # the cache cannot hold enough of it: from the bytes read, held in memory
+        held = _Held(source, subset, [r[0] if stamped else r for r in raws])
+        result["P"], result["P_from"] = _prep_rate(loader, held), "memory"
     return result
 
 
-def _prep_rate(loader, subset: list[int]) -> float:
-    """Samples/s of the loader's workers preparing ``subset`` (cached by now): the second of two passes."""
+class _Held(torch.utils.data.Dataset):
+    """Samples of a subset prepared from their raw bytes held in memory (nothing fetched)."""
+
+    def __init__(self, source, indices: list[int], raws: list):
+        self.source, self.indices, self.raws = source, indices, raws
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k: int):
+        return self.source.decode_raw(self.indices[k], self.raws[k])
+
+
+def _prep_rate(loader, samples: torch.utils.data.Dataset) -> float:
+    """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage), over the passes
+    after the first (which starts them): at least 2, and :data:`PREP_MIN_S`."""
     prep = torch.utils.data.DataLoader(
-        torch.utils.data.Subset(loader.dataset, subset), batch_size=loader.batch_size,
-        num_workers=loader.num_workers, collate_fn=loader.collate_fn, persistent_workers=loader.num_workers > 0,
-        multiprocessing_context=loader.multiprocessing_context, worker_init_fn=loader.worker_init_fn)
-    for _ in prep:  # the workers start, and every sample is in the cache
+        samples, batch_size=loader.batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        persistent_workers=loader.num_workers > 0, multiprocessing_context=loader.multiprocessing_context,
+        worker_init_fn=loader.worker_init_fn)
+    for _ in prep:  # the workers start
         pass
-    started = time.perf_counter()
-    for _ in prep:
-        pass
-    return len(subset) / (time.perf_counter() - started)
+    started, passes = time.perf_counter(), 0
+    while passes < 2 or time.perf_counter() - started < PREP_MIN_S:
+        for _ in prep:
+            pass
+        passes += 1
+    return passes * len(samples) / (time.perf_counter() - started)
 
 
 def _evict(path: str) -> None:
@@ -187,6 +214,8 @@ def _evict(path: str) -> None:
     except (OSError, TypeError):
         return
     try:
+        with contextlib.suppress(OSError):
+            os.fdatasync(fd)  # dirty pages stay cached: written back first (a freshly copied dataset)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

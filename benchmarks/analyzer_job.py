@@ -1,0 +1,44 @@
+"""The training script ``benchmarks.analyzer`` analyzes and then times: an ImageFolder through
+``coordl.DataLoader`` (random crops, shuffled, persistent workers), a training step of ``--step-ms``.
+
+``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--out FILE]``
+writes ``loader.stats()``'s epochs to FILE (JSON) at the end.
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torchvision
+from torchvision import transforms
+
+import coordl
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--cache-bytes", type=int, required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--epochs", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
+        [transforms.RandomResizedCrop(64, antialias=True), transforms.ToTensor()]))
+    loader = coordl.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                               persistent_workers=args.workers > 0, cache_bytes=args.cache_bytes,
+                               drop_page_cache=True)  # with no cache too: every epoch reads the device
+    for _ in range(args.epochs):
+        for _ in loader:
+            time.sleep(args.step_ms / 1000)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([dataclasses.asdict(e) for e in loader.stats().epochs], f)
+    loader.close()
+
+
+if __name__ == "__main__":
+    main()
