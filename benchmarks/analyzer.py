@@ -29,7 +29,8 @@ import time
 
 from benchmarks import report
 from benchmarks.metrics import spread
-from benchmarks.storage_env import (Cleanup, cgroup_version, device_read_bytes, evict_files, prepare_storage,
+from coordl._shm import shm_dir
+from benchmarks.storage_env import (PREFIX, Cleanup, cgroup_version, device_read_bytes, evict_files, prepare_storage,
                                     run_child)
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analyzer_job.py")
@@ -53,13 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _cgroup(cleanup: Cleanup, version: int, device: str, read_mbps: float):
-    name = f"coordl-bench-analyzer-{os.getpid()}-{time.monotonic_ns()}"
+    name = f"{PREFIX}-analyzer-{os.getpid()}-{time.monotonic_ns()}"
     return cleanup.cgroup(name, version, device, int(read_mbps * 1e6), page_cache_bytes=None)
 
 
 def _run(cmd: list[str], group, timeout_s: float) -> tuple[str, int]:
     """Run ``cmd`` in ``group`` with a shm folder of its own; its stdout and the device bytes it read."""
-    shm = tempfile.mkdtemp(prefix="coordl-bench-analyzer-", dir="/dev/shm")
+    shm = tempfile.mkdtemp(prefix=f"{PREFIX}-analyzer-", dir=shm_dir())
     previous = os.environ.get("COORDL_SHM_DIR")
     os.environ["COORDL_SHM_DIR"] = shm
     try:

@@ -135,10 +135,10 @@ def measure_rates(loader, samples: int) -> dict:
     source, storage, cache = getattr(dataset, "source", None), getattr(dataset, "storage", None), \
         getattr(dataset, "cache", None)
     if source is None or loader.epoch_ledger.feed is not None:
-        raise RuntimeError("coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
-                           "workers (backend='torch', no hp_group), over a dataset coordl can read raw (an "
-                           f"ImageFolder, DatasetFolder, their Subsets, ...); this one is {type(loader.dataset.dataset).__name__}"
-                           f" with backend={loader.backend!r}")
+        raise RuntimeError(f"coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
+                           f"workers (backend='torch', no hp_group), over a dataset coordl can read raw (an "
+                           f"ImageFolder, DatasetFolder, their Subsets, ...); this one loads "
+                           f"{type(dataset.dataset).__name__} with backend={loader.backend!r}")
     cores = len(os.sched_getaffinity(0))
     n = min(len(dataset), samples)
     subset = random.Random(0).sample(range(len(dataset)), n)
@@ -150,7 +150,8 @@ def measure_rates(loader, samples: int) -> dict:
     with concurrent.futures.ThreadPoolExecutor(cores) as pool:
         raws = list(pool.map(storage.read_stamped if hasattr(storage, "read_stamped") else storage.read, keys))
     storage_s = time.perf_counter() - started
-    device_read = _device_read_bytes() - device_before
+    device_after = _device_read_bytes()
+    device_read = None if device_before is None or device_after is None else device_after - device_before
     stamped = hasattr(storage, "read_stamped")
     sizes = [len(r[0] if stamped else r) for r in raws]
     result = {"phase": "rates", "samples": len(dataset), "sample_bytes": sum(sizes) / n, "subset": n,
@@ -159,7 +160,8 @@ def measure_rates(loader, samples: int) -> dict:
               "cold_fraction": None if device_read is None else device_read / max(1, sum(sizes))}
     if cache is not None:
         for index, raw in zip(subset, raws):
-            cache.put(index, *raw) if stamped else cache.put(index, raw, None)
+            data, stamp = raw if stamped else (raw, None)
+            cache.put(index, data, stamp)
         row = dataset.counters.row()
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(cores) as pool:

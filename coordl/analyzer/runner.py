@@ -58,6 +58,9 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
                 _stop_group(proc)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+    claimed = os.path.exists(result_path + phases.CLAIMED)
+    if claimed:
+        os.remove(result_path + phases.CLAIMED)
     if os.path.exists(result_path):
         with open(result_path) as f:
             return json.load(f)
@@ -65,7 +68,7 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
     if status is None:
         raise PhaseFailed(f"the {phase} phase ran past {timeout_s:.0f} s and was stopped (--timeout); the "
                           f"script's last lines ({log_path}):\n{tail}")
-    if not os.path.exists(result_path + phases.CLAIMED):
+    if not claimed:
         raise PhaseFailed(f"the script exited (status {status}) without iterating a coordl.DataLoader, so there is "
                           f"nothing to measure; its last lines ({log_path}):\n{tail}")
     if status != 0:

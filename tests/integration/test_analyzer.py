@@ -35,8 +35,9 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert 0 <= doc["measured_hit_fraction"] <= 1
     assert doc["phases"]["ingestion"]["iters"] == 20 and doc["phases"]["rates"]["subset"] == 96
     assert "bottleneck:" in proc.stdout and "what if:" in proc.stdout and "[3/3]" in proc.stdout
-    for name in ("phase-ingestion.log", "phase-rates.log", "phase-run.log"):
-        assert (tmp_path / name).exists()
+    for phase in ("ingestion", "rates", "run"):
+        assert (tmp_path / f"phase-{phase}.log").exists() and (tmp_path / f"phase-{phase}.json").exists()
+    assert not list(tmp_path.glob("*.claimed"))
     again = subprocess.run([sys.executable, "-m", "coordl.cli", "whatif", str(tmp_path / "analysis.json"), "--workers",
                             "2"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "with the changes:" in again.stdout

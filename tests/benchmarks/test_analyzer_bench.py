@@ -1,0 +1,48 @@
+"""``python -m benchmarks.analyzer --quick`` end to end: each configuration analyzed and measured on the
+throttled loop device, the errors computed from them, and nothing left behind."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.storage_env import PREFIX, cgroup_version
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _leftovers() -> set[str]:
+    return set(glob.glob(f"/var/tmp/{PREFIX}-*") + glob.glob(f"/sys/fs/cgroup/*/{PREFIX}-analyzer-*"))
+
+
+@pytest.mark.slow
+def test_quick_run(tmp_path):
+    before = _leftovers()
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--images", "48", "--iters", "6",
+                          "--warmup", "1", "--epochs", "2", "--out", str(out)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    if not cgroup_version():
+        assert run.returncode == 2 and "needs root and cgroups" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    configs = result["configs"]
+    assert sorted(c["cache_fraction"] for c in configs) == [0.0, 1.0]
+    for c in configs:
+        assert c["error"] == pytest.approx(c["predicted_samples_per_s"] / c["measured_samples_per_s"] - 1)
+        assert c["measured_spread"]["n"] == 1 and c["analysis_s"] > 0
+        assert (out / "analyses").is_dir()
+    errors = sorted(abs(c["error"]) for c in configs)
+    assert result["max_abs_error"] == errors[-1] and result["median_abs_error"] == pytest.approx(sum(errors) / 2)
+    cold, cached = sorted(configs, key=lambda c: c["cache_fraction"])
+    assert cold["bottleneck"] == "fetch"  # 10 MB/s and no cache
+    assert min(cold["device_bytes_per_epoch"]) >= 0.9 * result["dataset_bytes"]  # every epoch from the device
+    assert max(cached["device_bytes_per_epoch"]) <= 0.6 * result["dataset_bytes"]  # 1 of 2 epochs
+    setup = json.loads((out / "setup.json").read_text())
+    assert setup["provenance"]["git_sha"] and setup["settings"]["reps"] == 1
+    assert "| 100% | 10 |" in (out / "results.md").read_text()
+    assert _leftovers() == before
