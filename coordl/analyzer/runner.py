@@ -166,5 +166,6 @@ def main(args) -> int:
     for flag in measured["flags"]:
         print(f"note: {flag}")
     written = plots.draw(pipeline, run["samples_per_s"], args.out)
-    print(f"wrote {path}" + "".join(f", {p}" for p in written))
+    print(f"wrote {path}" + "".join(f", {p}" for p in written) +
+          ("" if written else " (no plots: matplotlib is not installed; pip install 'coordl[bench]')"))
     return 0
