@@ -25,7 +25,10 @@ STOP_GRACE_S = 5.0
 
 
 class PhaseFailed(RuntimeError):
-    """A phase gave no result: the script failed, ended too early or never iterated a coordl loader."""
+    """A phase gave no result: the script failed, ended too early or never iterated a coordl loader.
+    ``measured``: the results of the phases before it."""
+
+    measured: dict = {}
 
 
 def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmup: int, timeout_s: float,
@@ -125,8 +128,12 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     for n, phase in enumerate(phases.PHASES, 1):
         say(f"[{n}/{len(phases.PHASES)}] {PHASE_TITLES[phase]}")
         started = time.monotonic()
-        results[phase] = run_phase(command, phase, out_dir, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                                   say=say)
+        try:
+            results[phase] = run_phase(command, phase, out_dir, iters=iters, warmup=warmup, timeout_s=timeout_s,
+                                       say=say)
+        except PhaseFailed as e:
+            e.measured = results
+            raise
         say(f"  done in {time.monotonic() - started:.0f} s")
     rates, g = results["rates"], results["ingestion"]["samples_per_s"]
     dataset_bytes = rates["samples"] * rates["sample_bytes"]
@@ -155,6 +162,10 @@ def main(args) -> int:
                                      timeout_s=args.timeout)
     except PhaseFailed as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
+        for phase, result in e.measured.items():  # the partial report
+            rates = {k: round(v, 1) for k, v in result.items() if k in ("samples_per_s", "S", "C", "P") and v}
+            print(f"measured before that, {phase}: " + ", ".join(f"{k}={v}" for k, v in rates.items()),
+                  file=sys.stderr)
         return 1
     run = measured["results"]["run"]
     path = os.path.join(args.out, "analysis.json")

@@ -51,6 +51,13 @@ def test_a_failing_script_is_reported_with_its_last_lines(image_root, tmp_path):
     assert not (tmp_path / "analysis.json").exists()
 
 
+def test_a_script_failing_in_a_later_phase_gets_what_the_earlier_ones_measured(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--fail-at", "5", "--only-in-phase", "run")
+    assert proc.returncode == 1 and "failed in the run phase (exit status 1)" in proc.stderr
+    assert "measured before that, ingestion: samples_per_s=" in proc.stderr
+    assert "measured before that, rates: " in proc.stderr and "P=" in proc.stderr and "S=" in proc.stderr
+
+
 def test_a_script_without_a_coordl_loader_is_told_so(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--torch-loader", "--epochs", "1")
     assert proc.returncode == 1
