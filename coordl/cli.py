@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default: the working directory)")
     analyze.add_argument("--iters", type=_whole_number(1), default=100,
                          help="batches each phase times (default: 100)")
-    analyze.add_argument("--warmup", type=_whole_number(0), default=10,
+    analyze.add_argument("--warmup", type=_whole_number(1), default=10,
                          help="batches each phase lets pass before timing (default: 10)")
     analyze.add_argument("--timeout", type=_positive_number, default=600.0,
                          help="seconds a phase may run before it is stopped (default: 600)")

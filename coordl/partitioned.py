@@ -111,7 +111,9 @@ ADDRESS_WAIT_S = 0.5
 ADDRESS_RETRY_S = 0.05
 """How long the address learner pauses between two waits."""
 THREAD_JOIN_S = 2.0  # > ADDRESS_WAIT_S
-"""How long a stopping process waits for a background thread to end (NOTE [ Threads at exit ])."""
+"""How long a stopping process waits for the address learner to end (NOTE [ Threads at exit ])."""
+HANDOFF_JOIN_S = 0.5
+"""How long a closing sender, drained, is waited for to end."""
 CLOSE_WAIT_S = 10.0
 """How long a closing peer server keeps serving for the other servers' ranks still loading."""
 _MAX_NODES = 4096
@@ -677,10 +679,12 @@ class _HandOff:
             self._ready.wait_for(lambda: not self._queue and not self._busy, HANDOFF_DRAIN_S)
 
     def close(self) -> None:
-        """Drain, then stop the thread and wait (at most :data:`THREAD_JOIN_S`) for it to end."""
+        """Drain, then stop the thread and wait for it to end: at most :data:`HANDOFF_DRAIN_S` in all plus
+        :data:`HANDOFF_JOIN_S` (within torch's 5 s for an exiting worker; a sender still busy past it
+        touches no torch, NOTE [ Threads at exit ])."""
         self.drain()
         self._finalizer.cancel()
-        _stop_thread(self._thread, self._stop)
+        _stop_thread(self._thread, self._stop, HANDOFF_JOIN_S)
 
     def _stop(self) -> None:
         """Tell the thread to stop (whatever is still queued is dropped)."""
@@ -795,11 +799,11 @@ def _start_server(cache, source, storage, secret: bytes, topology: Topology, ord
     return server
 
 
-def _stop_thread(thread: threading.Thread, stop) -> None:
-    """``stop()``, then wait (at most :data:`THREAD_JOIN_S`) for ``thread`` to end."""
+def _stop_thread(thread: threading.Thread, stop, join_s: float = THREAD_JOIN_S) -> None:
+    """``stop()``, then wait (at most ``join_s``) for ``thread`` to end."""
     stop()
     if thread is not threading.current_thread():
-        thread.join(THREAD_JOIN_S)
+        thread.join(join_s)
 
 
 def _read_address(store, state: PeerState, node: int, deadline: float) -> bool:

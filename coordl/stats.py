@@ -19,7 +19,7 @@ class EpochStats:
     ``locality_aware``, ``moved`` counts the samples another server caches that balancing gave this rank.
     ``storage_wait_s``, ``peer_wait_s`` and ``prep_s`` are the seconds this job's loading processes spent
     reading storage, waiting for peers and preparing samples (decode and transform; not counted with
-    ``backend="dali"``, whose prep is DALI's), summed over the processes: where the loading time goes, to
+    ``backend="dali"``, whose prep is DALI's, nor for a dataset loaded uncached), summed over the processes: where the loading time goes, to
     read beside ``stall_s``, the time the training loop waited.
     """
 

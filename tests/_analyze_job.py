@@ -1,8 +1,10 @@
 """A small training script for tests/integration/test_analyzer.py, run by ``coordl analyze``.
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--fail-at B [--only-in-phase PHASE]]
-[--torch-loader]``: an ImageFolder at ROOT through ``coordl.DataLoader`` (or torch's, ``--torch-loader``),
-a training step of ``S`` seconds; ``--fail-at B`` raises at batch B (only in coordl analyze's PHASE).
+[--torch-loader] [--cache-bytes N] [--steps-per-epoch K]``: an ImageFolder at ROOT through
+``coordl.DataLoader`` (or torch's, ``--torch-loader``), persistent workers, a training step of ``S``
+seconds, leaving each epoch after K batches; ``--fail-at B`` raises at batch B (only in coordl
+analyze's PHASE).
 """
 
 import argparse
@@ -25,19 +27,27 @@ def main() -> None:
     parser.add_argument("--fail-at", type=int)
     parser.add_argument("--only-in-phase", help="fail (--fail-at) only in this phase of coordl analyze")
     parser.add_argument("--torch-loader", action="store_true")
+    parser.add_argument("--cache-bytes", default="auto")
+    parser.add_argument("--steps-per-epoch", type=int, help="leave each epoch's loop after this many batches")
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor()]))
-    make = torch.utils.data.DataLoader if args.torch_loader else coordl.DataLoader
-    loader = make(dataset, batch_size=8, shuffle=True, num_workers=args.workers)
+    options = dict(batch_size=8, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0)
+    if args.torch_loader:
+        loader = torch.utils.data.DataLoader(dataset, **options)
+    else:
+        cache_bytes = args.cache_bytes if args.cache_bytes == "auto" else int(args.cache_bytes)
+        loader = coordl.DataLoader(dataset, cache_bytes=cache_bytes, **options)
     batch = 0
     for _ in range(args.epochs):
-        for images, labels in loader:
+        for step, (images, labels) in enumerate(loader, 1):
             batch += 1
             if batch == args.fail_at and args.only_in_phase in (None, os.environ.get("COORDL_ANALYZE_PHASE")):
                 raise RuntimeError(f"the training step failed at batch {batch}")
             if args.step_s:
                 time.sleep(args.step_s)
+            if step == args.steps_per_epoch:
+                break
 
 
 if __name__ == "__main__":

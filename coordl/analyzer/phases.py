@@ -10,7 +10,8 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
   of the dataset's raw bytes, no prep, on as many threads as cores; each file is dropped from the page
   cache first, and the process's block-device reads say whether the reads really were cold), ``C``
-  (the same items through the cache's hit path), and ``P`` (the items the cache took, or where it took
+  (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
+  paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
   nothing else running, over at least 2 passes and 3 s after a first that starts the workers).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
@@ -25,6 +26,8 @@ import random
 import time
 
 import torch
+
+from coordl.cached_dataset import CachedDataset
 
 PHASE_ENV = "COORDL_ANALYZE_PHASE"
 RESULT_ENV = "COORDL_ANALYZE_RESULT"
@@ -46,6 +49,9 @@ def current() -> str | None:
     phase = os.environ.get(PHASE_ENV)
     if phase is not None and phase not in PHASES:
         raise ValueError(f"{PHASE_ENV} should be one of {PHASES}, but got {phase!r}")
+    if phase is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise RuntimeError("coordl analyze measures single-process training scripts for now; this is rank "
+                           f"{os.environ.get('RANK')} of {os.environ['WORLD_SIZE']} (torchrun)")
     return phase
 
 
@@ -67,8 +73,11 @@ def observe(loader, start):
         _measured.append(_Window(loader, current()))
         open(os.environ[RESULT_ENV] + CLAIMED, "w").close()
         if _measured[0].phase == "rates":  # before any worker starts
-            _finish(measure_rates(loader, (_measured[0].warmup + _measured[0].iters) * loader.batch_size))
-    return _Timed(_measured[0], start())
+            _finish(measure_rates(loader, (_measured[0].warmup + _measured[0].iters) * _measured[0].batch_size))
+    window = _measured[0]
+    if window.phase == "ingestion" and window.first is not None:  # a later pass: the same batch, nothing loads
+        return _Timed(window, None)
+    return _Timed(window, start())
 
 
 class _Window:
@@ -77,13 +86,17 @@ class _Window:
 
     def __init__(self, loader, phase: str):
         self.loader, self.phase = loader, phase
+        self.batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        if not self.batch_size:
+            raise RuntimeError("coordl analyze needs the measured loader's batch size (batch_size=, or a batch "
+                               "sampler with a batch_size attribute)")
         self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
         self.taken, self.started, self.hits_before, self.first = 0, None, None, None
 
     def result(self) -> dict:
         elapsed = time.perf_counter() - self.started
-        out = {"phase": self.phase, "samples_per_s": self.iters * self.loader.batch_size / elapsed,
-               "iters": self.iters, "batch_size": self.loader.batch_size}
+        out = {"phase": self.phase, "samples_per_s": self.iters * self.batch_size / elapsed,
+               "iters": self.iters, "batch_size": self.batch_size}
         if self.phase == "run":
             hits, fetched = _hits(self.loader)
             out["hit_fraction"] = (hits - self.hits_before[0]) / max(1, fetched - self.hits_before[1])
@@ -101,7 +114,7 @@ class _Timed:
         return self
 
     def __len__(self) -> int:
-        return len(self._iterator)
+        return len(self._iterator if self._iterator is not None else self._window.loader)
 
     def __next__(self):
         w = self._window
@@ -131,14 +144,14 @@ def _hits(loader) -> tuple[int, int]:
 def measure_rates(loader, samples: int) -> dict:
     """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
     (see the module's docstring)."""
+    batch_size = _measured[0].batch_size
     dataset = loader.dataset
-    source, storage, cache = getattr(dataset, "source", None), getattr(dataset, "storage", None), \
-        getattr(dataset, "cache", None)
-    if source is None or loader.epoch_ledger.feed is not None:
+    if not isinstance(dataset, CachedDataset) or dataset.source is None or loader.epoch_ledger.feed is not None:
         raise RuntimeError(f"coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
                            f"workers (backend='torch', no hp_group), over a dataset coordl can read raw (an "
                            f"ImageFolder, DatasetFolder, their Subsets, ...); this one loads "
-                           f"{type(dataset.dataset).__name__} with backend={loader.backend!r}")
+                           f"{type(getattr(dataset, 'dataset', dataset)).__name__} with backend={loader.backend!r}")
+    source, storage, cache = dataset.source, dataset.storage, dataset.cache
     cores = len(os.sched_getaffinity(0))
     n = min(len(dataset), samples)
     subset = random.Random(0).sample(range(len(dataset)), n)
@@ -155,27 +168,33 @@ def measure_rates(loader, samples: int) -> dict:
     stamped = hasattr(storage, "read_stamped")
     sizes = [len(r[0] if stamped else r) for r in raws]
     result = {"phase": "rates", "samples": len(dataset), "sample_bytes": sum(sizes) / n, "subset": n,
-              "S": n / storage_s, "cores": cores, "workers": loader.num_workers, "batch_size": loader.batch_size,
+              "S": n / storage_s, "cores": cores, "workers": loader.num_workers, "batch_size": batch_size,
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
               "cold_fraction": None if device_read is None else device_read / max(1, sum(sizes))}
+    datas = [r[0] if stamped else r for r in raws]
+    cached = []
     if cache is not None:
         for index, raw in zip(subset, raws):
             data, stamp = raw if stamped else (raw, None)
             cache.put(index, data, stamp)
         row = dataset.counters.row()
+        cached = [i for i in subset if cache.get(i) is not None]
+    if cached:  # the hit path, timed over the items the cache took
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            served = list(pool.map(lambda i: dataset._cached(i, row), subset))
-        result["C"] = n / (time.perf_counter() - started)
-        cached = [i for i, raw in zip(subset, served) if raw is not None]
-        result["cached_fraction"] = len(cached) / n
-    else:
-        result["C"], result["cached_fraction"], cached = None, 0.0, []
-    if len(cached) >= min(n, PREP_MIN_BATCHES * loader.batch_size):  # through the cache, as the job's hits go
-        result["P"], result["P_from"] = _prep_rate(loader, torch.utils.data.Subset(dataset, cached)), "cache"
+            list(pool.map(lambda i: dataset._cached(i, row), cached))
+        result["C"], result["C_from"] = len(cached) / (time.perf_counter() - started), "cache"
+    else:  # no cache, or it took nothing: a copy of the bytes in memory stands for a hit (CoorDL §5.1 (iv))
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+            list(pool.map(bytes, datas))
+        result["C"], result["C_from"] = n / (time.perf_counter() - started), "memory copy"
+    result["cached_fraction"] = len(cached) / n
+    if len(cached) >= min(n, PREP_MIN_BATCHES * batch_size):  # through the cache, as the job's hits go
+        result["P"], result["P_from"] = _prep_rate(loader, torch.utils.data.Subset(dataset, cached), batch_size), "cache"
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
-        held = _Held(source, subset, [r[0] if stamped else r for r in raws])
-        result["P"], result["P_from"] = _prep_rate(loader, held), "memory"
+        held = _Held(source, subset, datas)
+        result["P"], result["P_from"] = _prep_rate(loader, held, batch_size), "memory"
     return result
 
 
@@ -192,11 +211,11 @@ class _Held(torch.utils.data.Dataset):
         return self.source.decode_raw(self.indices[k], self.raws[k])
 
 
-def _prep_rate(loader, samples: torch.utils.data.Dataset) -> float:
+def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> float:
     """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage), over the passes
     after the first (which starts them): at least 2, and :data:`PREP_MIN_S`."""
     prep = torch.utils.data.DataLoader(
-        samples, batch_size=loader.batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        samples, batch_size=batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
         persistent_workers=loader.num_workers > 0, multiprocessing_context=loader.multiprocessing_context,
         worker_init_fn=loader.worker_init_fn)
     for _ in prep:  # the workers start

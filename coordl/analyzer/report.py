@@ -98,7 +98,7 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
     for a in answers(p):
         rate = a["samples_per_s"]
         if "cache_fraction" in a:
-            text = ("no cache is enough: the cache itself is slower than prep" if rate is None else
+            text = ("no cache is enough: the cache's own rate C is below min(P, G)" if rate is None else
                     f"{format_bytes(a['cache_bytes'])} ({a['cache_fraction']:.0%} of the dataset)")
         elif "workers" in a:
             text = "all the cores are not enough" if rate is None else f"{a['workers']} workers"

@@ -39,6 +39,7 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
     Raises:
         PhaseFailed: the script exited without a result (why, and its last lines), or ran past ``timeout_s``.
     """
+    out_dir = os.path.abspath(out_dir)  # the script may change directory
     result_path = os.path.join(out_dir, f"phase-{phase}.json")
     log_path = os.path.join(out_dir, f"phase-{phase}.log")
     for path in (result_path, result_path + phases.CLAIMED):
@@ -71,14 +72,14 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
     if status is None:
         raise PhaseFailed(f"the {phase} phase ran past {timeout_s:.0f} s and was stopped (--timeout); the "
                           f"script's last lines ({log_path}):\n{tail}")
-    if not claimed:
-        raise PhaseFailed(f"the script exited (status {status}) without iterating a coordl.DataLoader, so there is "
-                          f"nothing to measure; its last lines ({log_path}):\n{tail}")
     if status != 0:
         raise PhaseFailed(f"the script failed in the {phase} phase (exit status {status}); its last lines "
                           f"({log_path}):\n{tail}")
-    raise PhaseFailed(f"the script ended after fewer than {warmup + iters} batches (--warmup {warmup} + "
-                      f"--iters {iters}): run it for longer, or lower --iters")
+    if not claimed:
+        raise PhaseFailed(f"the script exited without iterating a coordl.DataLoader, so there is nothing to "
+                          f"measure; its last lines ({log_path}):\n{tail}")
+    raise PhaseFailed(f"the script ended after fewer than {warmup + iters + 1} batches (--warmup {warmup} + "
+                      f"--iters {iters}, and one more to time the last step): run it for longer, or lower --iters")
 
 
 def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, say) -> int | None:
@@ -105,6 +106,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
             break
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, else its zombie keeps the group alive
             try:
                 os.killpg(proc.pid, 0)
             except ProcessLookupError:
@@ -138,16 +140,21 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     rates, g = results["rates"], results["ingestion"]["samples_per_s"]
     dataset_bytes = rates["samples"] * rates["sample_bytes"]
     flags = []
+    if rates["C_from"] == "memory copy":
+        flags.append("C: the cache took none of the subset (cache_bytes=0, or too small), so a copy of the bytes in "
+                     "memory stands for a cache hit")
     if rates["cold_fraction"] is not None and rates["cold_fraction"] < 0.5:
         flags.append(f"S: only {rates['cold_fraction']:.0%} of the storage reads came from a block device; the "
                      "rest was served from memory (the page cache, or a RAM-backed file system), so S is too high "
                      "for cold reads")
-    if rates["C"] is None:
-        flags.append("C: the loader has no cache (cache_bytes=0), so every sample comes from storage")
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
-                        S=rates["S"], C=rates["C"] or rates["S"], workers=rates["workers"], cores=rates["cores"],
-                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes) if rates["C"] else 0.0)
+                        S=rates["S"], C=rates["C"], workers=rates["workers"], cores=rates["cores"],
+                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes))
     return pipeline, {"results": results, "flags": flags}
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(args) -> int:
@@ -157,6 +164,8 @@ def main(args) -> int:
         print("coordl analyze: give the training command after --, e.g. coordl analyze -- python train.py",
               file=sys.stderr)
         return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # so that a phase's process group and shm folder go too
+        signal.signal(sig, _exit_on_signal)
     try:
         pipeline, measured = analyze(args.command, args.out, iters=args.iters, warmup=args.warmup,
                                      timeout_s=args.timeout)

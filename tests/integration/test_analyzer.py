@@ -67,4 +67,28 @@ def test_a_script_without_a_coordl_loader_is_told_so(image_root, tmp_path):
 def test_a_script_that_ends_too_soon_is_told_how_many_batches_a_phase_needs(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--epochs", "1", iters=20, warmup=3)  # 12 batches an epoch
     assert proc.returncode == 1
-    assert "fewer than 23 batches" in proc.stderr and "--iters" in proc.stderr
+    assert "fewer than 24 batches" in proc.stderr and "--iters" in proc.stderr
+
+
+def test_a_script_leaving_its_epochs_early_keeps_one_batch_in_the_ingestion_phase(image_root, tmp_path):
+    """Each epoch's loop stops after 4 batches (persistent workers): later passes of the measured loader
+    replay the batch, starting nothing."""
+    proc = _analyze(tmp_path, image_root, "--steps-per-epoch", "4", "--step-s", "0.02")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(tmp_path / "analysis.json"))["rates"]["G"] <= BATCH / 0.02
+
+
+def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--cache-bytes", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    assert doc["config"]["cache_bytes"] == 0 and doc["phases"]["rates"]["C_from"] == "memory copy"
+    assert any("stands for a cache hit" in f for f in doc["flags"])
+    assert doc["fetch_samples_per_s"] == pytest.approx(doc["rates"]["S"])  # nothing cached: F = S
+
+
+def test_a_torchrun_rank_is_told_it_cannot_be_measured_yet(image_root, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path), "--", sys.executable,
+                           JOB, image_root], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
+    assert proc.returncode == 1 and "single-process training scripts for now" in proc.stderr
