@@ -573,6 +573,8 @@ class SegmentKind:
                 return Unreadable(name, "empty")
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as buf, Probe(path) as probe:
                 stats = self._read(name, buf, probe.live_slots())
+        except FileNotFoundError:  # its last user removed it while it was looked at (Probe opens it again)
+            return None
         finally:
             os.close(fd)
         return stats if stats is not None else Unreadable(name, "written by another coordl version (unknown layout)")

@@ -261,6 +261,24 @@ def test_listing_reads_only_and_keeps_what_it_does_not_understand(tmp_path):
     assert os.listdir(_shm.shm_dir()) == []
 
 
+def test_a_segment_removed_while_it_is_listed_is_left_out(tmp_path, monkeypatch):
+    """The race forced: the segment's last user removes it between the listing's two opens of it (the
+    segment, then its lock probe); the listing leaves it out instead of failing."""
+    done = FileEvent(tmp_path)
+    dead = _name()
+    proc = _procs.spawn(_shm_procs.attach_and_die, dead, done)
+    proc.join(_procs.JOIN_TIMEOUT)
+    real_probe = _shm.Probe
+
+    def removed_first(path):
+        os.unlink(path)  # as its last user would, just then
+        return real_probe(path)
+    monkeypatch.setattr(_shm, "Probe", removed_first)
+    assert dead in os.listdir(_shm.shm_dir())
+    assert [c for c in minio_cache.list_caches() if c.name == dead] == []
+    assert dead not in os.listdir(_shm.shm_dir())
+
+
 # -- containers: PID namespaces --------------------------------------------------------------------
 
 def _in_pid_namespace(*args) -> subprocess.Popen:
