@@ -11,6 +11,11 @@ reads ``D·x`` samples from the cache at rate ``C`` and ``D·(1−x)`` from stor
 whose caches each hold ``x``, a rank's epoch takes ``x`` from its own cache, ``min(1, N·x) − x`` from
 peers at rate ``R`` and the rest from storage. Per epoch, the time lost to prep is what ``min(P, G)``
 costs beyond ``G``, and the time lost to fetching is what the throughput costs beyond ``min(P, G)``.
+
+A torch worker fetches its batch's misses before it prepares them, so it also waits ``L`` per miss (one
+cold read while the storage is not saturated), and the other workers' prep overlaps its wait: the
+workers deliver ``W = min(P, workers / (processes/P + misses·L))``, and the prediction is
+``min(F, W, G)``. With ``L = 0`` (fetching fully overlapped with prep, as DALI's reader does), ``W = P``.
 """
 
 import dataclasses
@@ -30,6 +35,7 @@ class Pipeline:
         cache_fraction: how much of the dataset the cache holds, in [0, 1].
         workers: the loader's worker processes when ``P`` was measured (0: the main process loads).
         cores: CPU cores available to prep.
+        L: seconds a worker waits for one miss while the storage is not saturated (0: none).
         R: peer fetch rate (samples/s) with partitioned caching, None when not measured.
         servers: servers of the job, each with its own cache of ``cache_fraction``.
         jobs: jobs on this server reading the dataset at once.
@@ -45,6 +51,7 @@ class Pipeline:
     cache_fraction: float
     workers: int
     cores: int
+    L: float = 0.0
     R: float | None = None
     servers: int = 1
     jobs: int = 1
@@ -54,6 +61,8 @@ class Pipeline:
         for name in ("G", "P", "S", "C", "sample_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} should be a rate above 0, but got {getattr(self, name)!r}")
+        if not self.L >= 0:
+            raise ValueError(f"L should be seconds at or above 0, but got {self.L!r}")
         if self.R is not None and not self.R > 0:
             raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
         if not 0 <= self.cache_fraction <= 1:
@@ -83,17 +92,26 @@ class Pipeline:
         return self.P / (1 if self.coordinated else self.jobs)
 
     @property
+    def worker_rate(self) -> float:
+        """W: samples/s of one job's workers when each waits ``L`` per miss before it prepares its batch."""
+        if self.workers == 0 or self.L == 0:
+            return self.prep_rate
+        misses = 1.0 - min(1.0, self.servers * self.cache_fraction)
+        seconds = _processes(self.workers, self.cores) / self.P + misses * self.L  # of one worker, per sample
+        return min(self.P, self.workers / seconds) / (1 if self.coordinated else self.jobs)
+
+    @property
     def predicted(self) -> float:
-        """Samples/s of one job: ``min(F, P, G)``; with no workers the training process fetches, prepares
+        """Samples/s of one job: ``min(F, W, G)``; with no workers the training process fetches, prepares
         and trains in turn, so the three times add up."""
         if self.workers == 0:
             return 1.0 / (1.0 / self.fetch_rate + 1.0 / self.prep_rate + 1.0 / self.G)
-        return min(self.fetch_rate, self.prep_rate, self.G)
+        return min(self.fetch_rate, self.worker_rate, self.G)
 
     @property
     def bottleneck(self) -> str:
-        """The least rate: ``"fetch"``, ``"prep"`` or ``"ingestion"`` (no data stall)."""
-        rates = {"ingestion": self.G, "prep": self.prep_rate, "fetch": self.fetch_rate}
+        """The least rate: ``"fetch"``, ``"prep"`` (the workers) or ``"ingestion"`` (no data stall)."""
+        rates = {"ingestion": self.G, "prep": self.worker_rate, "fetch": self.fetch_rate}
         return min(rates, key=lambda k: (rates[k], list(rates).index(k)))  # a tie: the stage nearest the step
 
     def stalls(self, samples_per_s: float | None = None) -> dict:
@@ -126,10 +144,12 @@ class Pipeline:
         return dataclasses.replace(self, **changes)
 
     def cache_knee(self) -> float | None:
-        """The least cache fraction at which fetching no longer limits the job (``F ≥ min(P, G)``); None
+        """The least cache fraction at which fetching no longer limits the job (``F ≥ min(W, G)``); None
         when no cache on this server can do it (the cache's own rate is below the target)."""
-        target = min(self.prep_rate, self.G)
-        fits = lambda x: self.with_changes(cache_fraction=x).fetch_rate >= target * (1 - 1e-12)
+        def fits(x):
+            p = self.with_changes(cache_fraction=x)
+            return p.fetch_rate >= min(p.worker_rate, p.G) * (1 - 1e-12)
+
         if not fits(1.0):
             return None
         low, high = 0.0, 1.0  # F grows with x: bisect to 1e-6
@@ -141,10 +161,10 @@ class Pipeline:
         return high
 
     def workers_knee(self) -> int | None:
-        """The fewest workers (at least 1) whose prep keeps up with the training step (``P ≥ G``); None when
-        all the cores cannot."""
-        for workers in range(1, self.cores + 1):  # with none, prep never overlaps the step
-            if self.with_changes(workers=workers).prep_rate >= self.G * (1 - 1e-12):
+        """The fewest workers (at least 1) that keep up with the training step (``W ≥ G``); None when twice
+        as many as the cores cannot."""
+        for workers in range(1, 2 * self.cores + 1):  # with none, prep never overlaps the step
+            if self.with_changes(workers=workers).worker_rate >= self.G * (1 - 1e-12):
                 return workers
         return None
 

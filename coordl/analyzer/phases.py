@@ -6,10 +6,13 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 
 * ``ingestion``: the loader hands the training loop one real batch over and over, so the loop runs at
   its own speed with no fetch or prep at all: ``G``, samples/s, over ``COORDL_ANALYZE_ITERS`` batches
-  after ``COORDL_ANALYZE_WARMUP``.
+  after ``COORDL_ANALYZE_WARMUP``. With workers, the loader's workers are replaced by as many that send
+  copies of that batch, so the loop still pays for taking each batch from a worker.
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
   of the dataset's raw bytes, no prep, on as many threads as cores; each file is dropped from the page
-  cache first, and the process's block-device reads say whether the reads really were cold), ``C``
+  cache first, and the process's block-device reads say whether the reads really were cold), ``L``
+  (what one reader waits per cold read while the storage is not saturated: reads one at a time, paced at
+  half of ``S``; a worker waits this for each miss of its batch before preparing it), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
   paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
@@ -20,6 +23,8 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 
 import concurrent.futures
 import contextlib
+import copy
+import itertools
 import json
 import os
 import random
@@ -36,11 +41,13 @@ WARMUP_ENV = "COORDL_ANALYZE_WARMUP"
 PHASES = ("ingestion", "rates", "run")
 PREP_MIN_BATCHES = 4
 """Batches' worth of cached samples P is measured over through the cache; with fewer, from memory."""
-PREP_MIN_S = 3.0
+PREP_MIN_S = 5.0
 """The least time P is measured over."""
 CLAIMED = ".claimed"
 """Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
 coordl loader" from "too few batches" by it)."""
+LATENCY_READS = 32
+"""Cold reads ``L`` is the mean of (at most; the subset's first)."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
 
 
@@ -91,7 +98,7 @@ class _Window:
             raise RuntimeError("coordl analyze needs the measured loader's batch size (batch_size=, or a batch "
                                "sampler with a batch_size attribute)")
         self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
-        self.taken, self.started, self.hits_before, self.first = 0, None, None, None
+        self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
 
     def result(self) -> dict:
         elapsed = time.perf_counter() - self.started
@@ -123,7 +130,7 @@ class _Timed:
         if w.taken == w.warmup:
             w.started, w.hits_before = time.perf_counter(), _hits(w.loader)
         if w.phase == "ingestion" and w.first is not None:
-            batch = w.first
+            batch = w.first if w.handover is None else next(w.handover)
         else:
             batch = next(self._iterator)
             if w.phase == "ingestion":
@@ -131,8 +138,37 @@ class _Timed:
                 shutdown = getattr(self._iterator, "_shutdown_workers", None)
                 if shutdown is not None:  # nothing loads while the loop runs
                     shutdown()
+                w.handover = _handover(w.loader, batch)
         w.taken += 1
         return batch
+
+
+class _Replay(torch.utils.data.Dataset):
+    """Fresh copies of one batch, as a worker sends what it has prepared (nothing fetched or prepared)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitems__(self, indices: list[int]):
+        return copy.deepcopy(self.batch)
+
+
+def _as_is(batch):
+    return batch
+
+
+def _handover(loader, batch):
+    """Batches from as many worker processes as ``loader`` has, each a copy of ``batch`` (None without
+    workers: the training process loads, so nothing is handed over)."""
+    if not loader.num_workers:
+        return None
+    return iter(torch.utils.data.DataLoader(
+        _Replay(batch), batch_sampler=itertools.repeat([0]), num_workers=loader.num_workers, collate_fn=_as_is,
+        pin_memory=loader.pin_memory, multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor))
 
 
 def _hits(loader) -> tuple[int, int]:
@@ -158,19 +194,20 @@ def measure_rates(loader, samples: int) -> dict:
     keys = [source.raw_key(i) for i in subset]
     for key in keys:
         _evict(key)
+    stamped = hasattr(storage, "read_stamped")
+    read = storage.read_stamped if stamped else storage.read
     device_before = _device_read_bytes()
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-        raws = list(pool.map(storage.read_stamped if hasattr(storage, "read_stamped") else storage.read, keys))
+        raws = list(pool.map(read, keys))
     storage_s = time.perf_counter() - started
-    device_after = _device_read_bytes()
-    device_read = None if device_before is None or device_after is None else device_after - device_before
-    stamped = hasattr(storage, "read_stamped")
     sizes = [len(r[0] if stamped else r) for r in raws]
     result = {"phase": "rates", "samples": len(dataset), "sample_bytes": sum(sizes) / n, "subset": n,
               "S": n / storage_s, "cores": cores, "workers": loader.num_workers, "batch_size": batch_size,
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
-              "cold_fraction": None if device_read is None else device_read / max(1, sum(sizes))}
+              "cold_fraction": _cold_fraction(device_before, sum(sizes))}
+    probe = keys[:LATENCY_READS]
+    result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s)
     datas = [r[0] if stamped else r for r in raws]
     cached = []
     if cache is not None:
@@ -226,6 +263,28 @@ def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> fl
             pass
         passes += 1
     return passes * len(samples) / (time.perf_counter() - started)
+
+
+def _miss_wait(read, keys: list, size: int, storage_rate: float) -> tuple[float, float | None]:
+    """Mean seconds one reader waits for a cold read of one of ``keys`` (``size`` bytes in all), read one
+    at a time and paced at half of ``storage_rate`` samples/s so that the storage is never saturated; and
+    the fraction of those bytes a block device served."""
+    for key in keys:
+        _evict(key)
+    before, waits = _device_read_bytes(), []
+    for key in keys:
+        started = time.perf_counter()
+        read(key)
+        waits.append(time.perf_counter() - started)
+        time.sleep(max(0.0, 2.0 / storage_rate - waits[-1]))
+    return sum(waits) / len(waits), _cold_fraction(before, size)
+
+
+def _cold_fraction(device_before: int | None, size: int) -> float | None:
+    """The fraction of ``size`` bytes read since ``device_before`` (:func:`_device_read_bytes`) that came
+    from a block device, None where unknown."""
+    after = _device_read_bytes()
+    return None if device_before is None or after is None else (after - device_before) / max(1, size)
 
 
 def _evict(path: str) -> None:

@@ -18,7 +18,9 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
             "config": {"cache_bytes": p.cache_fraction * dataset_bytes, "workers": p.workers, "cores": p.cores,
                        "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated},
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
+            "miss_wait_s": p.L,
             "fetch_samples_per_s": p.fetch_rate,
+            "worker_samples_per_s": p.worker_rate,
             "predicted_samples_per_s": p.predicted,
             "measured_samples_per_s": measured,
             "bottleneck": p.bottleneck,
@@ -50,6 +52,7 @@ def load(path: str) -> tuple[Pipeline, float | None]:
         dataset, config, rates = doc["dataset"], doc["config"], doc["rates"]
         pipeline = Pipeline(samples=int(dataset["samples"]), sample_bytes=dataset["bytes"] / dataset["samples"],
                             G=rates["G"], P=rates["P"], S=rates["S"], C=rates["C"], R=rates.get("R"),
+                            L=float(doc.get("miss_wait_s", 0.0)),
                             cache_fraction=min(1.0, config["cache_bytes"] / dataset["bytes"]),
                             workers=int(config["workers"]), cores=int(config["cores"]),
                             servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
@@ -83,8 +86,11 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
              f"  C cache         {_rate(p.C, p.sample_bytes)}"]
     if p.R is not None:
         lines.append(f"  R peers         {_rate(p.R, p.sample_bytes)}")
-    lines += [f"  F fetch         {_rate(p.fetch_rate, p.sample_bytes)}",
-              f"  predicted       {_rate(p.predicted, p.sample_bytes)}"]
+    lines += [f"  F fetch         {_rate(p.fetch_rate, p.sample_bytes)}"]
+    if p.L > 0:
+        lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.L * 1e3:.2f} ms "
+                     "waited per miss)")
+    lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
     if measured is not None:
         hits = p.cache_fraction if measured_hits is None else measured_hits
         expected = p.with_changes(cache_fraction=hits).predicted
@@ -101,7 +107,7 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
             text = ("no cache is enough: the cache's own rate C is below min(P, G)" if rate is None else
                     f"{format_bytes(a['cache_bytes'])} ({a['cache_fraction']:.0%} of the dataset)")
         elif "workers" in a:
-            text = "all the cores are not enough" if rate is None else f"{a['workers']} workers"
+            text = f"not even {2 * p.cores} workers" if rate is None else f"{a['workers']} workers"
         else:
             text = ""
         extra = f" (each on its own: {a['uncoordinated_samples_per_s']:.1f})" if "uncoordinated_samples_per_s" in a \

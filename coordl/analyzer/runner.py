@@ -143,12 +143,13 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     if rates["C_from"] == "memory copy":
         flags.append("C: the cache took none of the subset (cache_bytes=0, or too small), so a copy of the bytes in "
                      "memory stands for a cache hit")
-    if rates["cold_fraction"] is not None and rates["cold_fraction"] < 0.5:
-        flags.append(f"S: only {rates['cold_fraction']:.0%} of the storage reads came from a block device; the "
-                     "rest was served from memory (the page cache, or a RAM-backed file system), so S is too high "
-                     "for cold reads")
+    for rate, cold, wrong in (("S", "cold_fraction", "too high"), ("L", "L_cold_fraction", "too low")):
+        if rates[cold] is not None and rates[cold] < 0.5:
+            flags.append(f"{rate}: only {rates[cold]:.0%} of the storage reads came from a block device; the rest "
+                         f"was served from memory (the page cache, or a RAM-backed file system), so {rate} is "
+                         f"{wrong} for cold reads")
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
-                        S=rates["S"], C=rates["C"], workers=rates["workers"], cores=rates["cores"],
+                        S=rates["S"], C=rates["C"], L=rates["L"], workers=rates["workers"], cores=rates["cores"],
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes))
     return pipeline, {"results": results, "flags": flags}
 

@@ -8,6 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torchvision
+from torchvision import transforms
+
+import coordl
+from coordl.analyzer import phases
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_analyze_job.py")
 BATCH = 8
@@ -30,7 +36,8 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert doc["dataset"]["samples"] == 96
     assert doc["dataset"]["bytes"] == pytest.approx(sum(os.path.getsize(os.path.join(d, f))
                                                         for d, _, fs in os.walk(image_root) for f in fs))
-    assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], rates["P"], rates["G"])
+    assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], doc["worker_samples_per_s"], rates["G"])
+    assert doc["miss_wait_s"] > 0 and doc["worker_samples_per_s"] <= rates["P"]  # 1 worker waits for its misses
     assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert 0 <= doc["measured_hit_fraction"] <= 1
     assert doc["phases"]["ingestion"]["iters"] == 20 and doc["phases"]["rates"]["subset"] == 96
@@ -92,3 +99,28 @@ def test_a_torchrun_rank_is_told_it_cannot_be_measured_yet(image_root, tmp_path)
                            JOB, image_root], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
     assert proc.returncode == 1 and "single-process training scripts for now" in proc.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root, tmp_path, monkeypatch, workers):
+    """With workers, the batches after the first are copies sent by other worker processes (the loop pays for
+    taking each); without, the training process loads, and the loop gets the batch itself."""
+    for name, value in ((phases.PHASE_ENV, "ingestion"), (phases.RESULT_ENV, str(tmp_path / "g.json")),
+                        (phases.ITERS_ENV, "6"), (phases.WARMUP_ENV, "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(phases, "_measured", [])
+    dataset = torchvision.datasets.ImageFolder(image_root, transform=transforms.Compose(
+        [transforms.RandomResizedCrop(16, antialias=True), transforms.ToTensor()]))
+    loader = coordl.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
+                               persistent_workers=workers > 0, cache_bytes=0)
+    batches = []
+    with pytest.raises(SystemExit):
+        for images, _ in loader:
+            batches.append(images)
+    window = phases._measured[0]
+    if window.handover is not None:
+        window.handover._shutdown_workers()
+    loader.close()
+    assert len(batches) == 8 and all(torch.equal(b, batches[0]) for b in batches)
+    assert len({b.data_ptr() for b in batches}) == (8 if workers else 1)
+    assert json.load(open(tmp_path / "g.json"))["iters"] == 6

@@ -1,6 +1,7 @@
 """DS-Analyzer's model on constructed rates: F(x), min(F, P, G), the bottleneck, the stall split, the what-if
 knees and ``analysis.json``."""
 
+import dataclasses
 import json
 
 import pytest
@@ -64,6 +65,23 @@ def test_workers_scale_prep_up_to_the_cores():
     assert p.with_changes(workers=32).P == pytest.approx(1200.0)  # 8 cores
     assert p.workers_knee() == 6  # 6 × 150 = G
     assert Pipeline(**{**BASE, "G": 5000.0}).workers_knee() is None
+
+
+def test_a_worker_waits_for_its_misses_before_it_prepares_them():
+    p = Pipeline(**{**BASE, "S": 1000.0, "L": 0.004, "workers": 2})  # P = 600 on 2 processes: 300 each
+    each = 1 / (1 / 300 + (1 - p.cache_fraction) * 0.004)  # one worker: its prep, then its misses' waits
+    assert p.worker_rate == pytest.approx(2 * each)
+    assert p.predicted == p.worker_rate < min(p.P, p.fetch_rate, p.G) and p.bottleneck == "prep"
+    stall = p.stalls()  # the waits are time lost to fetching
+    assert stall["prep_s"] == pytest.approx(p.samples / p.P - p.samples / p.G)
+    assert stall["fetch_s"] == pytest.approx(p.samples / p.worker_rate - p.samples / p.P)
+    assert Pipeline(**{**BASE, "workers": 2}).worker_rate == 600.0  # L = 0: fetching overlaps prep
+    assert p.with_changes(cache_fraction=1.0).worker_rate == 600.0  # no misses, no waits
+    assert p.with_changes(workers=16).worker_rate == pytest.approx(2400.0)  # 16 on 8 cores: waits hidden
+    assert dataclasses.replace(p, G=1500.0).workers_knee() == 10  # past the cores, to cover the waits
+    assert dataclasses.replace(p, G=1500.0, L=0.0).workers_knee() == 5  # without: 1500 / 300 per process
+    with pytest.raises(ValueError, match="L should"):
+        Pipeline(**{**BASE, "L": -1.0})
 
 
 def test_storage_servers_and_jobs():
