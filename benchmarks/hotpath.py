@@ -1,6 +1,7 @@
 """The cache must never cost throughput: coordl against torch's DataLoader when nothing is slow but the loader.
 
     python -m benchmarks.hotpath [--images 4000] [--workers 0 1 2 8] [--reps 3] [--out results/hotpath]
+                                 [--systems torch coordl coordl-untimed]
 
 Everything is warm: torch reads small files from the page cache, coordl from its cache (filled by
 an untimed first epoch). Two workloads: ``image`` (small JPEGs, decoded and center-cropped to 32 px,
@@ -9,18 +10,24 @@ workload and worker count, torch and coordl run side by side in interleaved repe
 trial builds both loaders, runs one untimed epoch, then times ``--epochs`` epochs; workers
 persist across epochs). Reports samples/s, coordl / torch as median and min–max over trials, and
 the per-sample cost of coordl's fetch path against reading the file, in µs, measured in-process.
+``coordl-untimed`` is coordl with the clock its live split (``loader.stats()``'s ``storage_wait_s``,
+``peer_wait_s``, ``prep_s``) reads replaced by a constant, in the workers too (forked): coordl against
+it is what those timers cost.
 Writes ``results.json``, ``results.md`` and (with matplotlib) ``hotpath.png`` to ``--out``.
 """
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
 import sys
 import tempfile
 import time
+import types
 
 WORKLOADS = ("image", "bytes")
+SYSTEMS = ("torch", "coordl", "coordl-untimed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mean-side-px", type=int, default=48, help="generated images' mean longer side (default: 48)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 8], help="default: 0 1 2 8")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["torch", "coordl"],
+                        help="default: torch coordl")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per trial (default: 3)")
     parser.add_argument("--reps", type=int, default=3, help="trials of every point, interleaved (default: 3)")
@@ -75,6 +84,20 @@ def loader(system: str, root: str, workload: str, workers: int, batch_size: int,
     if system == "torch":
         return torch.utils.data.DataLoader(dataset(root, workload), **options)
     return coordl.DataLoader(dataset(root, workload), cache_bytes="1GiB", **options)
+
+
+@contextlib.contextmanager
+def clock(system: str):
+    """For ``coordl-untimed``, the live split's clock reads 0 while the trial runs (its forked workers too)."""
+    from coordl import cached_dataset
+
+    real = cached_dataset.time
+    if system == "coordl-untimed":
+        cached_dataset.time = types.SimpleNamespace(perf_counter_ns=int)
+    try:
+        yield
+    finally:
+        cached_dataset.time = real
 
 
 def samples_per_s(dl, epochs: int) -> float:
@@ -133,13 +156,14 @@ def main(argv=None) -> int:
         for rep in range(args.reps):
             for workload in args.workloads:
                 for workers in args.workers:
-                    systems = ["torch", "coordl"] if (rep + workers) % 2 == 0 else ["coordl", "torch"]
-                    for system in systems:
-                        with_loader = loader(system, root, workload, workers, args.batch_size, args.seed + rep)
-                        rate = samples_per_s(with_loader, args.epochs)
-                        if hasattr(with_loader, "close"):
-                            with_loader.close()
-                        del with_loader
+                    turn = (rep + workers) % len(args.systems)
+                    for system in args.systems[turn:] + args.systems[:turn]:
+                        with clock(system):
+                            with_loader = loader(system, root, workload, workers, args.batch_size, args.seed + rep)
+                            rate = samples_per_s(with_loader, args.epochs)
+                            if hasattr(with_loader, "close"):
+                                with_loader.close()
+                            del with_loader
                         trials.append({"rep": rep, "workload": workload, "workers": workers, "system": system,
                                        "samples_per_s": rate})
                         print(f"trial {rep + 1}/{args.reps} {workload:<5} workers={workers} {system:<6} "
@@ -149,12 +173,15 @@ def main(argv=None) -> int:
             for workers in args.workers:
                 rates = {s: {t["rep"]: t["samples_per_s"] for t in trials
                              if (t["workload"], t["workers"], t["system"]) == (workload, workers, s)}
-                         for s in ("torch", "coordl")}
-                ratios = [rates["coordl"][rep] / rates["torch"][rep] for rep in range(args.reps)]
-                points.append({"workload": workload, "workers": workers,
-                               "torch_samples_per_s": spread(list(rates["torch"].values())),
-                               "coordl_samples_per_s": spread(list(rates["coordl"].values())),
-                               "coordl_over_torch": spread(ratios)})
+                         for s in args.systems}
+                point = {"workload": workload, "workers": workers}
+                point.update({f"{s.replace('-', '_')}_samples_per_s": spread(list(rates[s].values()))
+                              for s in args.systems})
+                for name, (a, b) in (("coordl_over_torch", ("coordl", "torch")),
+                                     ("timed_over_untimed", ("coordl", "coordl-untimed"))):
+                    if a in rates and b in rates:
+                        point[name] = spread([rates[a][rep] / rates[b][rep] for rep in range(args.reps)])
+                points.append(point)
         cost = fetch_cost_us(root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -168,14 +195,21 @@ def main(argv=None) -> int:
     return 0
 
 
+RATIOS = {"coordl_over_torch": "coordl / torch", "timed_over_untimed": "coordl / coordl-untimed"}
+
+
 def markdown(result: dict) -> str:
     from benchmarks import report
 
-    lines = ["| workload | workers | torch samples/s | coordl samples/s | coordl / torch |", "|---|---|---|---|---|"]
+    first = result["points"][0]
+    systems = [s for s in SYSTEMS if f"{s.replace('-', '_')}_samples_per_s" in first]
+    ratios = [r for r in RATIOS if r in first]
+    lines = ["| workload | workers | " + " | ".join(f"{s} samples/s" for s in systems) + " | " +
+             " | ".join(RATIOS[r] for r in ratios) + " |", "|---" * (2 + len(systems) + len(ratios)) + "|"]
     for p in result["points"]:
-        lines.append(f"| {p['workload']} | {p['workers']} | {p['torch_samples_per_s']['median']:.0f} | "
-                     f"{p['coordl_samples_per_s']['median']:.0f} | "
-                     f"{report.spread_text(p['coordl_over_torch'])}× |")
+        lines.append(f"| {p['workload']} | {p['workers']} | " +
+                     " | ".join(f"{p[s.replace('-', '_') + '_samples_per_s']['median']:.0f}" for s in systems) +
+                     " | " + " | ".join(f"{report.spread_text(p[r])}×" for r in ratios) + " |")
     c = result["fetch_cost"]
     lines += ["", f"Per sample, in-process: reading the file {c['read_file_us']:.1f} µs, coordl's fetch path on a "
               f"hit {c['coordl_hit_us']:.1f} µs ({c['difference_us']:+.1f} µs)."]
@@ -191,13 +225,14 @@ def plot(points: list[dict], path: str) -> None:
     plt, fig, ax = drawn
     for workload in dict.fromkeys(p["workload"] for p in points):
         mine = [p for p in points if p["workload"] == workload]
-        ratios = [p["coordl_over_torch"] for p in mine]
-        ax.errorbar([str(p["workers"]) for p in mine], [r["median"] for r in ratios], marker="o", capsize=3,
-                    yerr=[[r["median"] - r["min"] for r in ratios], [r["max"] - r["median"] for r in ratios]],
-                    label=workload)
+        for name in (r for r in RATIOS if r in mine[0]):
+            ratios = [p[name] for p in mine]
+            ax.errorbar([str(p["workers"]) for p in mine], [r["median"] for r in ratios], marker="o", capsize=3,
+                        yerr=[[r["median"] - r["min"] for r in ratios], [r["max"] - r["median"] for r in ratios]],
+                        label=f"{workload}: {RATIOS[name]}")
     ax.axhline(1.0, color="k", linestyle=":")
     ax.set_xlabel("workers")
-    ax.set_ylabel("coordl / torch samples/s")
+    ax.set_ylabel("samples/s ratio")
     ax.legend()
     report.save(fig, plt, path)
 

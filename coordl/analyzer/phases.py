@@ -11,8 +11,9 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
   of the dataset's raw bytes, no prep, on as many threads as cores; each file is dropped from the page
   cache first, and the process's block-device reads say whether the reads really were cold), ``L``
-  (what one reader waits per cold read while the storage is not saturated: reads one at a time, paced at
-  half of ``S``; a worker waits this for each miss of its batch before preparing it), ``C``
+  (what one reader waits per cold read while the storage is not saturated: once the storage has rested
+  :data:`STORAGE_REST_S` from S's reads, reads one at a time, paced at half of ``S``; a worker waits this
+  for each miss of its batch before preparing it), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
   paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
@@ -46,8 +47,10 @@ PREP_MIN_S = 5.0
 CLAIMED = ".claimed"
 """Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
 coordl loader" from "too few batches" by it)."""
-LATENCY_READS = 32
+LATENCY_READS = 64
 """Cold reads ``L`` is the mean of (at most; the subset's first)."""
+STORAGE_REST_S = 1.0
+"""Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
 
 
@@ -267,10 +270,11 @@ def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> fl
 
 def _miss_wait(read, keys: list, size: int, storage_rate: float) -> tuple[float, float | None]:
     """Mean seconds one reader waits for a cold read of one of ``keys`` (``size`` bytes in all), read one
-    at a time and paced at half of ``storage_rate`` samples/s so that the storage is never saturated; and
-    the fraction of those bytes a block device served."""
+    at a time, after :data:`STORAGE_REST_S` of rest, and paced at half of ``storage_rate`` samples/s so
+    that the storage is never saturated; and the fraction of those bytes a block device served."""
     for key in keys:
         _evict(key)
+    time.sleep(STORAGE_REST_S)
     before, waits = _device_read_bytes(), []
     for key in keys:
         started = time.perf_counter()
