@@ -1,10 +1,11 @@
 """A small training script for tests/integration/test_analyzer.py, run by ``coordl analyze``.
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--fail-at B [--only-in-phase PHASE]]
-[--torch-loader] [--cache-bytes N] [--steps-per-epoch K]``: an ImageFolder at ROOT through
+[--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp]``: an ImageFolder at ROOT through
 ``coordl.DataLoader`` (or torch's, ``--torch-loader``), persistent workers, a training step of ``S``
 seconds, leaving each epoch after K batches; ``--fail-at B`` raises at batch B (only in coordl
-analyze's PHASE).
+analyze's PHASE); ``--ddp``: a rank of a torchrun job (gloo, a DistributedSampler, an all-reduce each
+step, so the ranks go in step).
 """
 
 import argparse
@@ -29,23 +30,31 @@ def main() -> None:
     parser.add_argument("--torch-loader", action="store_true")
     parser.add_argument("--cache-bytes", default="auto")
     parser.add_argument("--steps-per-epoch", type=int, help="leave each epoch's loop after this many batches")
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor()]))
     options = dict(batch_size=8, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0)
+    if args.ddp:
+        torch.distributed.init_process_group("gloo")
+        options.update(shuffle=False, sampler=torch.utils.data.DistributedSampler(dataset, shuffle=True))
     if args.torch_loader:
         loader = torch.utils.data.DataLoader(dataset, **options)
     else:
         cache_bytes = args.cache_bytes if args.cache_bytes == "auto" else int(args.cache_bytes)
         loader = coordl.DataLoader(dataset, cache_bytes=cache_bytes, **options)
     batch = 0
-    for _ in range(args.epochs):
+    for epoch in range(args.epochs):
+        if args.ddp:
+            options["sampler"].set_epoch(epoch)
         for step, (images, labels) in enumerate(loader, 1):
             batch += 1
             if batch == args.fail_at and args.only_in_phase in (None, os.environ.get("COORDL_ANALYZE_PHASE")):
                 raise RuntimeError(f"the training step failed at batch {batch}")
             if args.step_s:
                 time.sleep(args.step_s)
+            if args.ddp:
+                torch.distributed.all_reduce(torch.ones(1))
             if step == args.steps_per_epoch:
                 break
 

@@ -40,6 +40,9 @@ class Pipeline:
         servers: servers of the job, each with its own cache of ``cache_fraction``.
         jobs: jobs on this server reading the dataset at once.
         coordinated: whether those jobs share fetch and prep (``hp_group``) or each does its own.
+        ranks: training processes of the job on this server (torchrun), each with these rates and its
+            share of ``cores``: the rates, the prediction and the stalls are a rank's, over its
+            ``samples / ranks`` of an epoch; the job's samples/s is ``ranks`` times the prediction.
     """
 
     samples: int
@@ -56,6 +59,7 @@ class Pipeline:
     servers: int = 1
     jobs: int = 1
     coordinated: bool = False
+    ranks: int = 1
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
@@ -67,9 +71,9 @@ class Pipeline:
             raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
         if not 0 <= self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction should be in [0, 1], but got {self.cache_fraction!r}")
-        if self.samples < 1 or self.cores < 1 or self.workers < 0 or self.servers < 1 or self.jobs < 1:
-            raise ValueError(f"samples, cores, servers and jobs should be at least 1 and workers at least 0: "
-                             f"{self.samples}, {self.cores}, {self.servers}, {self.jobs}, {self.workers}")
+        if min(self.samples, self.cores, self.servers, self.jobs, self.ranks) < 1 or self.workers < 0:
+            raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers at least 0: "
+                             f"{self.samples}, {self.cores}, {self.servers}, {self.jobs}, {self.ranks}, {self.workers}")
         if self.servers > 1 and self.R is None:
             raise ValueError("a pipeline over several servers needs the peer fetch rate R (`coordl whatif`: --peer-mbps)")
 
@@ -118,12 +122,13 @@ class Pipeline:
         """Seconds per epoch: the training step alone (``ideal_s``), lost to prep and lost to fetching, at
         ``samples_per_s`` (measured; default the prediction)."""
         rate = self.predicted if samples_per_s is None else samples_per_s
+        samples = self.samples / self.ranks  # a rank's share of an epoch
         if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching the rest
-            prep_s = self.samples / self.prep_rate
+            prep_s = samples / self.prep_rate
         else:
-            prep_s = max(0.0, self.samples / min(self.prep_rate, self.G) - self.samples / self.G)
-        ideal_s = self.samples / self.G
-        return {"ideal_s": ideal_s, "prep_s": prep_s, "fetch_s": max(0.0, self.samples / rate - ideal_s - prep_s)}
+            prep_s = max(0.0, samples / min(self.prep_rate, self.G) - samples / self.G)
+        ideal_s = samples / self.G
+        return {"ideal_s": ideal_s, "prep_s": prep_s, "fetch_s": max(0.0, samples / rate - ideal_s - prep_s)}
 
     # -- what if ---------------------------------------------------------------------------------------------
 

@@ -20,6 +20,10 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   nothing else running, over at least 2 passes and 3 s after a first that starts the workers).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
+
+Each rank of a torchrun job on one server measures at once (so they share storage, cache and cores as in
+training; each rank's S, L, C and P over its own part of a common random subset) and writes its own
+result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``.
 """
 
 import concurrent.futures
@@ -59,17 +63,31 @@ def current() -> str | None:
     phase = os.environ.get(PHASE_ENV)
     if phase is not None and phase not in PHASES:
         raise ValueError(f"{PHASE_ENV} should be one of {PHASES}, but got {phase!r}")
-    if phase is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise RuntimeError("coordl analyze measures single-process training scripts for now; this is rank "
-                           f"{os.environ.get('RANK')} of {os.environ['WORLD_SIZE']} (torchrun)")
+    if phase is not None and _world() > _local_world():
+        raise RuntimeError(f"coordl analyze measures jobs on one server for now; this is rank {os.environ.get('RANK')} "
+                           f"of {_world()}, with {_local_world()} on this server (torchrun --nnodes > 1)")
     return phase
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", _world()))
+
+
+def result_path() -> str:
+    """Where this process writes its phase's result: ``COORDL_ANALYZE_RESULT``, with ``.rank<RANK>`` for a
+    rank of a torchrun job."""
+    return os.environ[RESULT_ENV] + (f".rank{os.environ['RANK']}" if _world() > 1 else "")
 
 
 def _finish(result: dict) -> None:
     """Write the phase's result and end the script."""
-    path = os.environ[RESULT_ENV]
+    path = result_path()
     with open(path + ".part", "w") as f:
-        json.dump(result, f)
+        json.dump({**result, "local_world_size": _local_world()}, f)
     os.replace(path + ".part", path)
     raise SystemExit(0)
 
@@ -81,7 +99,7 @@ def observe(loader, start):
         return start()
     if not _measured:
         _measured.append(_Window(loader, current()))
-        open(os.environ[RESULT_ENV] + CLAIMED, "w").close()
+        open(result_path() + CLAIMED, "w").close()
         if _measured[0].phase == "rates":  # before any worker starts
             _finish(measure_rates(loader, (_measured[0].warmup + _measured[0].iters) * _measured[0].batch_size))
     window = _measured[0]
@@ -114,8 +132,9 @@ class _Window:
 
 
 class _Timed:
-    """One pass's iterator in a timed phase; in the ingestion phase every batch after the first is the
-    first again, and the workers are stopped once it is in."""
+    """One pass's iterator in a timed phase; in the ingestion phase the loader's workers are stopped once
+    the first batch is in, and every later batch is a copy of it sent by as many new workers (the first
+    itself when the loader has none)."""
 
     def __init__(self, window: _Window, iterator):
         self._window, self._iterator = window, iterator
@@ -168,10 +187,12 @@ def _handover(loader, batch):
     workers: the training process loads, so nothing is handed over)."""
     if not loader.num_workers:
         return None
-    return iter(torch.utils.data.DataLoader(
+    batches = iter(torch.utils.data.DataLoader(
         _Replay(batch), batch_sampler=itertools.repeat([0]), num_workers=loader.num_workers, collate_fn=_as_is,
         pin_memory=loader.pin_memory, multiprocessing_context=loader.multiprocessing_context,
         prefetch_factor=loader.prefetch_factor))
+    next(batches)  # the workers start now, not in the timed window
+    return batches
 
 
 def _hits(loader) -> tuple[int, int]:
@@ -191,9 +212,10 @@ def measure_rates(loader, samples: int) -> dict:
                            f"ImageFolder, DatasetFolder, their Subsets, ...); this one loads "
                            f"{type(getattr(dataset, 'dataset', dataset)).__name__} with backend={loader.backend!r}")
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
-    cores = len(os.sched_getaffinity(0))
-    n = min(len(dataset), samples)
-    subset = random.Random(0).sample(range(len(dataset)), n)
+    ranks, rank = _local_world(), int(os.environ.get("LOCAL_RANK", 0))
+    cores = max(1, len(os.sched_getaffinity(0)) // ranks)  # this rank's share
+    n = max(1, min(len(dataset) // ranks, samples))
+    subset = random.Random(0).sample(range(len(dataset)), len(dataset))[rank * n:(rank + 1) * n]  # this rank's part
     keys = [source.raw_key(i) for i in subset]
     for key in keys:
         _evict(key)

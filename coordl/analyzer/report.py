@@ -16,13 +16,14 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
     return {"format": FORMAT,
             "dataset": {"samples": p.samples, "bytes": dataset_bytes},
             "config": {"cache_bytes": p.cache_fraction * dataset_bytes, "workers": p.workers, "cores": p.cores,
-                       "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated},
+                       "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated, "ranks": p.ranks},
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
             "miss_wait_s": p.L,
             "fetch_samples_per_s": p.fetch_rate,
             "worker_samples_per_s": p.worker_rate,
             "predicted_samples_per_s": p.predicted,
             "measured_samples_per_s": measured,
+            "job_predicted_samples_per_s": p.ranks * p.predicted,
             "bottleneck": p.bottleneck,
             "stall": p.stalls(measured),
             "whatif": answers(p)}
@@ -56,7 +57,7 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             cache_fraction=min(1.0, config["cache_bytes"] / dataset["bytes"]),
                             workers=int(config["workers"]), cores=int(config["cores"]),
                             servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
-                            coordinated=bool(config.get("coordinated", False)))
+                            coordinated=bool(config.get("coordinated", False)), ranks=int(config.get("ranks", 1)))
     except KeyError as e:
         raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
     except (TypeError, ZeroDivisionError, ValueError) as e:
@@ -79,7 +80,9 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
     lines = [f"dataset {p.samples} samples, {format_bytes(dataset_bytes)}; cache "
              f"{format_bytes(p.cache_fraction * dataset_bytes)} ({p.cache_fraction:.0%}), {p.workers} workers on "
              f"{p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
-             (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else ""),
+             (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else "") +
+             (f"; {p.ranks} ranks, each with the rates below (the job: {p.ranks} × a rank's)" if p.ranks > 1
+              else ""),
              f"  G ingestion     {_rate(p.G, p.sample_bytes)}",
              f"  P prep          {_rate(p.prep_rate, p.sample_bytes)}",
              f"  S storage       {_rate(p.S, p.sample_bytes)}",

@@ -5,6 +5,7 @@ process group of its own and a shared-memory directory of its own, both removed 
 nothing it started is left running or in ``/dev/shm``.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
     out_dir = os.path.abspath(out_dir)  # the script may change directory
     result_path = os.path.join(out_dir, f"phase-{phase}.json")
     log_path = os.path.join(out_dir, f"phase-{phase}.log")
-    for path in (result_path, result_path + phases.CLAIMED):
+    for path in [result_path, *glob.glob(glob.escape(result_path) + ".rank*")]:
         if os.path.exists(path):
             os.remove(path)
     shm = tempfile.mkdtemp(prefix="coordl-analyze-", dir=shm_dir())  # removed with all it holds when the phase ends
@@ -57,18 +58,28 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
             except OSError as e:
                 raise PhaseFailed(f"cannot run {command[0]!r}: {e.strerror or e}") from None
             try:
-                status = _wait(proc, started, timeout_s, phase, say)
+                status = _wait(proc, started, timeout_s, phase, say, lambda: _ranks_done(result_path))
             finally:
                 _stop_group(proc)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    claimed = os.path.exists(result_path + phases.CLAIMED)
-    if claimed:
-        os.remove(result_path + phases.CLAIMED)
+    markers = glob.glob(glob.escape(result_path) + "*" + phases.CLAIMED)
+    claimed = bool(markers)
+    for marker in markers:
+        os.remove(marker)
     if os.path.exists(result_path):
         with open(result_path) as f:
             return json.load(f)
+    ranks = _rank_results(result_path)
     tail = _tail(log_path)
+    if ranks and len(ranks) == ranks[0]["local_world_size"]:
+        combined = _combine(ranks)
+        with open(result_path, "w") as f:
+            json.dump(combined, f)
+        return combined
+    if ranks:
+        raise PhaseFailed(f"only {len(ranks)} of the job's {ranks[0]['local_world_size']} ranks finished the {phase} "
+                          f"phase; the script's last lines ({log_path}):\n{tail}")
     if status is None:
         raise PhaseFailed(f"the {phase} phase ran past {timeout_s:.0f} s and was stopped (--timeout); the "
                           f"script's last lines ({log_path}):\n{tail}")
@@ -82,9 +93,11 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
                       f"--iters {iters}, and one more to time the last step): run it for longer, or lower --iters")
 
 
-def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, say) -> int | None:
-    """The exit status, or None past ``timeout_s``; says every 10 s that the phase is still running."""
-    said = started
+def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, say, done) -> int | None:
+    """The exit status, or None past ``timeout_s``; 0 once ``done()`` has held for :data:`STOP_GRACE_S` (a
+    rank's exit can leave the others waiting in a collective); says every 10 s that the phase is still
+    running."""
+    said, done_since = started, None
     while True:
         try:
             return proc.wait(timeout=1.0)
@@ -92,6 +105,10 @@ def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, 
             now = time.monotonic()
             if now - started > timeout_s:
                 return None
+            if done_since is None and done():
+                done_since = now
+            if done_since is not None and now - done_since >= STOP_GRACE_S:
+                return 0
             if now - said >= 10:
                 said = now
                 say(f"  ... {phase}: {now - started:.0f} s")
@@ -114,6 +131,36 @@ def _stop_group(proc: subprocess.Popen) -> None:
             time.sleep(0.05)
     if proc.poll() is None:
         proc.wait()
+
+
+def _rank_results(result_path: str) -> list[dict]:
+    """The results the ranks of a torchrun job wrote (``<result>.rank<RANK>``), in rank order."""
+    paths = [p for p in glob.glob(glob.escape(result_path) + ".rank*") if p.rsplit(".rank", 1)[1].isdigit()]
+    results = []
+    for path in sorted(paths, key=lambda p: int(p.rsplit(".rank", 1)[1])):
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+def _ranks_done(result_path: str) -> bool:
+    ranks = _rank_results(result_path)
+    return bool(ranks) and len(ranks) == ranks[0]["local_world_size"]
+
+
+def _combine(ranks: list[dict]) -> dict:
+    """A torchrun job's result from its ranks' (rates per rank): the slowest rank's rates, as the job goes
+    at its pace, and the longest miss wait; each rank's own under ``ranks``."""
+    out = dict(ranks[0])
+    for key in ("samples_per_s", "S", "C", "P"):
+        if key in out:
+            out[key] = min(r[key] for r in ranks)
+    if "L" in out:
+        out["L"] = max(r["L"] for r in ranks)
+    if "hit_fraction" in out:
+        out["hit_fraction"] = sum(r["hit_fraction"] for r in ranks) / len(ranks)
+    out["ranks"] = ranks
+    return out
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -150,7 +197,8 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
                          f"{wrong} for cold reads")
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
                         S=rates["S"], C=rates["C"], L=rates["L"], workers=rates["workers"], cores=rates["cores"],
-                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes))
+                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes),
+                        ranks=rates["local_world_size"])
     return pipeline, {"results": results, "flags": flags}
 
 

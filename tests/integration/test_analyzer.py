@@ -94,11 +94,32 @@ def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path)
     assert doc["fetch_samples_per_s"] == pytest.approx(doc["rates"]["S"])  # nothing cached: F = S
 
 
-def test_a_torchrun_rank_is_told_it_cannot_be_measured_yet(image_root, tmp_path):
+def test_a_torchrun_job_is_measured_rank_by_rank(image_root, tmp_path):
+    """Both ranks measure each phase at once, each over its own half of the subset; the job's rates are the
+    slower rank's, and its throughput twice a rank's."""
+    step_s = 0.02
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path), "--iters", "10",
+                           "--warmup", "3", "--timeout", "180", "--", sys.executable, "-m", "torch.distributed.run",
+                           "--standalone", "--nproc-per-node", "2", JOB, image_root, "--ddp", "--step-s", str(step_s)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    assert doc["config"]["ranks"] == 2 and "2 ranks" in proc.stdout
+    for phase, key in (("ingestion", "samples_per_s"), ("rates", "P"), ("rates", "S"), ("run", "samples_per_s")):
+        ranks = doc["phases"][phase]["ranks"]
+        assert len(ranks) == 2 and doc["phases"][phase][key] == min(r[key] for r in ranks)
+    assert [r["subset"] for r in doc["phases"]["rates"]["ranks"]] == [48, 48]  # 96 images: half each
+    assert doc["rates"]["G"] <= BATCH / step_s
+    assert doc["job_predicted_samples_per_s"] == pytest.approx(2 * doc["predicted_samples_per_s"])
+    assert all((tmp_path / f"phase-{phase}.json").exists() for phase in ("ingestion", "rates", "run"))
+    assert not list(tmp_path.glob("*.claimed"))
+
+
+def test_a_job_over_several_servers_is_told_it_cannot_be_measured_yet(image_root, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path), "--", sys.executable,
                            JOB, image_root], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
-    assert proc.returncode == 1 and "single-process training scripts for now" in proc.stderr
+                          env={**os.environ, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0"})
+    assert proc.returncode == 1 and "jobs on one server for now" in proc.stderr
 
 
 @pytest.mark.parametrize("workers", [0, 2])
