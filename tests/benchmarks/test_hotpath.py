@@ -28,3 +28,30 @@ def test_a_tiny_hot_path_run_measures_both_loaders_at_every_point(tmp_path, shm_
     assert len(result["setup"]["provenance"]["git_sha"]) == 40
     assert [name for name in os.listdir(tmp_path) if name.startswith("coordl-hotpath-")] == []
     assert os.listdir(shm_namespace) == []  # its caches' folder is gone
+
+
+def test_untimed_coordl_reads_no_clock_in_the_workers_and_is_compared_with_coordl(tmp_path, shm_namespace):
+    from benchmarks import hotpath
+    from coordl.synthetic import make_image_folder
+
+    root = str(tmp_path / "images")
+    make_image_folder(root, 32, mean_side_px=40, seed=3)
+    prep_s = {}
+    for system in ("coordl", "coordl-untimed"):
+        with hotpath.clock(system):
+            dl = hotpath.loader(system, root, "image", 1, 8, seed=0)
+            hotpath.samples_per_s(dl, epochs=1)
+            prep_s[system] = dl.stats().total.prep_s
+            dl.close()
+    assert prep_s["coordl"] > 0 and prep_s["coordl-untimed"] == 0  # the worker's clock read 0 throughout
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.hotpath", "--images", "32", "--mean-side-px", "40",
+                           "--workers", "0", "--workloads", "bytes", "--systems", "coordl", "coordl-untimed",
+                           "--reps", "2", "--epochs", "1", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    with open(out / "results.json") as f:
+        point, = json.load(f)["points"]
+    assert "coordl_over_torch" not in point and point["timed_over_untimed"]["n"] == 2
+    assert "coordl / coordl-untimed" in (out / "results.md").read_text()
