@@ -1,11 +1,11 @@
 """A small training script for tests/integration/test_analyzer.py, run by ``coordl analyze``.
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--fail-at B [--only-in-phase PHASE]]
-[--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp]``: an ImageFolder at ROOT through
+[--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali] [--hp-group NAME]``: an ImageFolder at ROOT through
 ``coordl.DataLoader`` (or torch's, ``--torch-loader``), persistent workers, a training step of ``S``
 seconds, leaving each epoch after K batches; ``--fail-at B`` raises at batch B (only in coordl
 analyze's PHASE); ``--ddp``: a rank of a torchrun job (gloo, a DistributedSampler, an all-reduce each
-step, so the ranks go in step).
+step, so the ranks go in step); ``--backend``, ``--hp-group``: ``coordl.DataLoader``'s.
 """
 
 import argparse
@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--cache-bytes", default="auto")
     parser.add_argument("--steps-per-epoch", type=int, help="leave each epoch's loop after this many batches")
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--hp-group")
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor()]))
@@ -42,7 +44,8 @@ def main() -> None:
         loader = torch.utils.data.DataLoader(dataset, **options)
     else:
         cache_bytes = args.cache_bytes if args.cache_bytes == "auto" else int(args.cache_bytes)
-        loader = coordl.DataLoader(dataset, cache_bytes=cache_bytes, **options)
+        loader = coordl.DataLoader(dataset, cache_bytes=cache_bytes, backend=args.backend, hp_group=args.hp_group,
+                                   **options)
     batch = 0
     for epoch in range(args.epochs):
         if args.ddp:

@@ -15,7 +15,9 @@ costs beyond ``G``, and the time lost to fetching is what the throughput costs b
 A torch worker fetches its batch's misses before it prepares them, so it also waits ``L`` per miss (one
 cold read while the storage is not saturated), and the other workers' prep overlaps its wait: the
 workers deliver ``W = min(P, workers / (processes/P + misses·L))``, and the prediction is
-``min(F, W, G)``. With ``L = 0`` (fetching fully overlapped with prep, as DALI's reader does), ``W = P``.
+``min(F, W, G)``. With the DALI backend, ``fetch_threads`` threads fetch batches ahead of DALI's prep
+threads, so prep never waits (``W = P``) and the fetch threads' own waits bound fetching instead:
+``F = min(F, fetch_threads / (misses·L))``.
 """
 
 import dataclasses
@@ -40,6 +42,8 @@ class Pipeline:
         servers: servers of the job, each with its own cache of ``cache_fraction``.
         jobs: jobs on this server reading the dataset at once.
         coordinated: whether those jobs share fetch and prep (``hp_group``) or each does its own.
+        fetch_threads: threads that fetch batches ahead of prep (the DALI backend: as many as its prep
+            threads, ``workers``), each waiting ``L`` per miss; 0: the workers fetch their own batches (torch).
         ranks: training processes of the job on this server (torchrun), each with these rates and its
             share of ``cores``: the rates, the prediction and the stalls are a rank's, over its
             ``samples / ranks`` of an epoch; the job's samples/s is ``ranks`` times the prediction.
@@ -59,6 +63,7 @@ class Pipeline:
     servers: int = 1
     jobs: int = 1
     coordinated: bool = False
+    fetch_threads: int = 0
     ranks: int = 1
 
     def __post_init__(self):
@@ -71,7 +76,8 @@ class Pipeline:
             raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
         if not 0 <= self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction should be in [0, 1], but got {self.cache_fraction!r}")
-        if min(self.samples, self.cores, self.servers, self.jobs, self.ranks) < 1 or self.workers < 0:
+        if min(self.samples, self.cores, self.servers, self.jobs, self.ranks) < 1 or min(self.workers,
+                                                                                         self.fetch_threads) < 0:
             raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers at least 0: "
                              f"{self.samples}, {self.cores}, {self.servers}, {self.jobs}, {self.ranks}, {self.workers}")
         if self.servers > 1 and self.R is None:
@@ -88,6 +94,8 @@ class Pipeline:
         if aggregate > local:
             seconds += (aggregate - local) / self.R
         rate = math.inf if seconds == 0 else 1.0 / seconds
+        if self.fetch_threads and aggregate < 1.0 and self.L > 0:  # each thread waits L per miss
+            rate = min(rate, self.fetch_threads / ((1.0 - aggregate) * self.L))
         return rate if self.coordinated else rate / self.jobs
 
     @property
@@ -98,7 +106,7 @@ class Pipeline:
     @property
     def worker_rate(self) -> float:
         """W: samples/s of one job's workers when each waits ``L`` per miss before it prepares its batch."""
-        if self.workers == 0 or self.L == 0:
+        if self.workers == 0 or self.L == 0 or self.fetch_threads:  # no wait, or fetched ahead (DALI)
             return self.prep_rate
         misses = 1.0 - min(1.0, self.servers * self.cache_fraction)
         seconds = _processes(self.workers, self.cores) / self.P + misses * self.L  # of one worker, per sample
@@ -143,6 +151,8 @@ class Pipeline:
         if workers is not None:
             changes.update(workers=workers, P=self.P * _processes(workers, self.cores) /
                            _processes(self.workers, self.cores))
+            if self.fetch_threads:  # the DALI backend fetches on as many threads as it prepares on
+                changes["fetch_threads"] = max(workers, 1)
         for name, value in (("servers", servers), ("jobs", jobs), ("coordinated", coordinated), ("R", R)):
             if value is not None:
                 changes[name] = value

@@ -9,15 +9,18 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   after ``COORDL_ANALYZE_WARMUP``. With workers, the loader's workers are replaced by as many that send
   copies of that batch, so the loop still pays for taking each batch from a worker.
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
-  of the dataset's raw bytes, no prep, on as many threads as cores; each file is dropped from the page
-  cache first, and the process's block-device reads say whether the reads really were cold), ``L``
+  of the dataset's raw bytes, no prep, on as many threads as cores, in passes over it for at least
+  :data:`STORAGE_MIN_S`; each file is dropped from the page cache before each pass, and the process's
+  block-device reads say whether the reads really were cold), ``L``
   (what one reader waits per cold read while the storage is not saturated: once the storage has rested
   :data:`STORAGE_REST_S` from S's reads, reads one at a time, paced at half of ``S``; a worker waits this
   for each miss of its batch before preparing it), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
   paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
-  nothing else running, over at least 2 passes and 3 s after a first that starts the workers).
+  nothing else running, over at least 2 passes and 5 s after a first that starts the workers). With
+  ``backend='dali'``, P is the loader's DALI pipeline (a second one with the same settings) preparing
+  those items, and the result says how many threads fetch ahead of it (``fetch_threads``).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
 
@@ -37,7 +40,7 @@ import time
 
 import torch
 
-from coordl.cached_dataset import CachedDataset
+from coordl.cached_dataset import CachedDataset, SampleCounters
 
 PHASE_ENV = "COORDL_ANALYZE_PHASE"
 RESULT_ENV = "COORDL_ANALYZE_RESULT"
@@ -53,6 +56,8 @@ CLAIMED = ".claimed"
 coordl loader" from "too few batches" by it)."""
 LATENCY_READS = 64
 """Cold reads ``L`` is the mean of (at most; the subset's first)."""
+STORAGE_MIN_S = 3.0
+"""The least time S is measured over (passes over the subset, each cold)."""
 STORAGE_REST_S = 1.0
 """Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
@@ -98,6 +103,7 @@ def observe(loader, start):
     if _measured and _measured[0].loader is not loader:
         return start()
     if not _measured:
+        _check_measurable(loader)
         _measured.append(_Window(loader, current()))
         open(result_path() + CLAIMED, "w").close()
         if _measured[0].phase == "rates":  # before any worker starts
@@ -106,6 +112,20 @@ def observe(loader, start):
     if window.phase == "ingestion" and window.first is not None:  # a later pass: the same batch, nothing loads
         return _Timed(window, None)
     return _Timed(window, start())
+
+
+def _check_measurable(loader) -> None:
+    """Refuse, in the first phase, a loader whose rates phase could not be measured."""
+    dataset = loader.dataset
+    if loader.epoch_ledger.feed is not None and _dali(loader) is None:
+        raise RuntimeError(f"coordl analyze does not measure a job in an hp_group yet (this loader has "
+                           f"hp_group={loader.hp_group!r}); analyze it without hp_group=, and `coordl whatif "
+                           f"analysis.json --jobs K --coordinated` predicts K jobs that coordinate their prep")
+    if not isinstance(dataset, CachedDataset) or dataset.source is None:
+        raise RuntimeError(f"coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
+                           f"workers or in DALI, over a dataset coordl can read raw (an ImageFolder, "
+                           f"DatasetFolder, their Subsets, ...); this one loads "
+                           f"{type(getattr(dataset, 'dataset', dataset)).__name__}")
 
 
 class _Window:
@@ -156,13 +176,31 @@ class _Timed:
         else:
             batch = next(self._iterator)
             if w.phase == "ingestion":
-                w.first = batch
-                shutdown = getattr(self._iterator, "_shutdown_workers", None)
-                if shutdown is not None:  # nothing loads while the loop runs
-                    shutdown()
+                w.first = batch = _stop_loading(w.loader, self._iterator, batch)
                 w.handover = _handover(w.loader, batch)
         w.taken += 1
         return batch
+
+
+def _stop_loading(loader, iterator, batch):
+    """Nothing loads while the loop runs: the loader's workers are stopped, its DALI pipeline dropped.
+    Returns ``batch``, copied out of a dropped pipeline's buffers."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    dali = _dali(loader)
+    if dali is None:
+        return batch
+    batch = copy.deepcopy(batch)
+    dali.discard()
+    return batch
+
+
+def _dali(loader):
+    """The loader's DALI backend, where DALI prepares its batches on their own (no hp_group), else None."""
+    from coordl.dali_pipeline import DaliFeed
+    feed = loader.epoch_ledger.feed
+    return feed.backend if isinstance(feed, DaliFeed) else None
 
 
 class _Replay(torch.utils.data.Dataset):
@@ -205,32 +243,32 @@ def measure_rates(loader, samples: int) -> dict:
     """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
     (see the module's docstring)."""
     batch_size = _measured[0].batch_size
-    dataset = loader.dataset
-    if not isinstance(dataset, CachedDataset) or dataset.source is None or loader.epoch_ledger.feed is not None:
-        raise RuntimeError(f"coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
-                           f"workers (backend='torch', no hp_group), over a dataset coordl can read raw (an "
-                           f"ImageFolder, DatasetFolder, their Subsets, ...); this one loads "
-                           f"{type(getattr(dataset, 'dataset', dataset)).__name__} with backend={loader.backend!r}")
+    dataset, dali = loader.dataset, _dali(loader)
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
     ranks, rank = _local_world(), int(os.environ.get("LOCAL_RANK", 0))
     cores = max(1, len(os.sched_getaffinity(0)) // ranks)  # this rank's share
     n = max(1, min(len(dataset) // ranks, samples))
     subset = random.Random(0).sample(range(len(dataset)), len(dataset))[rank * n:(rank + 1) * n]  # this rank's part
     keys = [source.raw_key(i) for i in subset]
-    for key in keys:
-        _evict(key)
     stamped = hasattr(storage, "read_stamped")
     read = storage.read_stamped if stamped else storage.read
-    device_before = _device_read_bytes()
-    started = time.perf_counter()
+    device_before, storage_s, passes = _device_read_bytes(), 0.0, 0
     with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-        raws = list(pool.map(read, keys))
-    storage_s = time.perf_counter() - started
+        while passes == 0 or storage_s < STORAGE_MIN_S:  # a throttle lets a short burst through
+            for key in keys:
+                _evict(key)
+            started = time.perf_counter()
+            raws = list(pool.map(read, keys))
+            storage_s += time.perf_counter() - started
+            passes += 1
     sizes = [len(r[0] if stamped else r) for r in raws]
     result = {"phase": "rates", "samples": len(dataset), "sample_bytes": sum(sizes) / n, "subset": n,
-              "S": n / storage_s, "cores": cores, "workers": loader.num_workers, "batch_size": batch_size,
+              "S": passes * n / storage_s, "S_passes": passes, "cores": cores, "batch_size": batch_size,
+              "backend": loader.backend,
+              "workers": loader.num_workers if dali is None else dali.dali_threads,
+              "fetch_threads": 0 if dali is None else dali.fetch_threads,
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
-              "cold_fraction": _cold_fraction(device_before, sum(sizes))}
+              "cold_fraction": _cold_fraction(device_before, passes * sum(sizes))}
     probe = keys[:LATENCY_READS]
     result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s)
     datas = [r[0] if stamped else r for r in raws]
@@ -253,41 +291,65 @@ def measure_rates(loader, samples: int) -> dict:
         result["C"], result["C_from"] = n / (time.perf_counter() - started), "memory copy"
     result["cached_fraction"] = len(cached) / n
     if len(cached) >= min(n, PREP_MIN_BATCHES * batch_size):  # through the cache, as the job's hits go
-        result["P"], result["P_from"] = _prep_rate(loader, torch.utils.data.Subset(dataset, cached), batch_size), "cache"
+        result["P_from"], indices, held = "cache", cached, dataset
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
-        held = _Held(source, subset, datas)
-        result["P"], result["P_from"] = _prep_rate(loader, held, batch_size), "memory"
+        result["P_from"], indices, held = "memory", subset, _Held(source, subset, datas)
+    if dali is None:
+        result["P"] = _prep_rate(loader, torch.utils.data.Subset(held, indices), batch_size)
+    else:
+        result["P"] = _dali_prep_rate(dali, held, indices, batch_size)
     return result
 
 
 class _Held(torch.utils.data.Dataset):
-    """Samples of a subset prepared from their raw bytes held in memory (nothing fetched)."""
+    """The samples of a subset, prepared (torch) or fetched (DALI) from their raw bytes held in memory:
+    nothing is read from storage. Indexed like the dataset."""
 
     def __init__(self, source, indices: list[int], raws: list):
-        self.source, self.indices, self.raws = source, indices, raws
+        self.source, self.raws = source, dict(zip(indices, raws))
+        self.counters = SampleCounters(1)  # what a DALI feeder counts in
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.source)
 
-    def __getitem__(self, k: int):
-        return self.source.decode_raw(self.indices[k], self.raws[k])
+    def __getitem__(self, index: int):
+        return self.source.decode_raw(index, self.raws[index])
+
+    def fetch_many(self, indices: list[int], row) -> list:
+        return [self.raws[i] for i in indices]
 
 
 def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> float:
-    """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage), over the passes
-    after the first (which starts them): at least 2, and :data:`PREP_MIN_S`."""
+    """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage)."""
     prep = torch.utils.data.DataLoader(
         samples, batch_size=batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
         persistent_workers=loader.num_workers > 0, multiprocessing_context=loader.multiprocessing_context,
         worker_init_fn=loader.worker_init_fn)
-    for _ in prep:  # the workers start
-        pass
+    return _passes_per_s(lambda: [None for _ in prep]) * len(samples)
+
+
+def _dali_prep_rate(backend, held, indices: list[int], batch_size: int) -> float:
+    """Samples/s of a pipeline with ``backend``'s settings preparing ``indices`` of ``held`` (the loader's
+    dataset: through its cache; or bytes held in memory), fed as the loader feeds its own."""
+    twin = backend.twin()
+    twin.cached = held
+    batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+    seeds = itertools.count()
+    try:
+        return _passes_per_s(lambda: [None for _ in twin.epoch(batches, next(seeds))]) * len(indices)
+    finally:
+        twin.close()
+
+
+def _passes_per_s(one_pass) -> float:
+    """Passes per second of ``one_pass()``, over the passes after a first (which starts the workers or the
+    pipeline): at least 2, and :data:`PREP_MIN_S`."""
+    one_pass()
     started, passes = time.perf_counter(), 0
     while passes < 2 or time.perf_counter() - started < PREP_MIN_S:
-        for _ in prep:
-            pass
+        one_pass()
         passes += 1
-    return passes * len(samples) / (time.perf_counter() - started)
+    return passes / (time.perf_counter() - started)
 
 
 def _miss_wait(read, keys: list, size: int, storage_rate: float) -> tuple[float, float | None]:

@@ -16,7 +16,8 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
     return {"format": FORMAT,
             "dataset": {"samples": p.samples, "bytes": dataset_bytes},
             "config": {"cache_bytes": p.cache_fraction * dataset_bytes, "workers": p.workers, "cores": p.cores,
-                       "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated, "ranks": p.ranks},
+                       "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated, "ranks": p.ranks,
+                       "fetch_threads": p.fetch_threads},
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
             "miss_wait_s": p.L,
             "fetch_samples_per_s": p.fetch_rate,
@@ -57,7 +58,8 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             cache_fraction=min(1.0, config["cache_bytes"] / dataset["bytes"]),
                             workers=int(config["workers"]), cores=int(config["cores"]),
                             servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
-                            coordinated=bool(config.get("coordinated", False)), ranks=int(config.get("ranks", 1)))
+                            coordinated=bool(config.get("coordinated", False)), ranks=int(config.get("ranks", 1)),
+                            fetch_threads=int(config.get("fetch_threads", 0)))
     except KeyError as e:
         raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
     except (TypeError, ZeroDivisionError, ValueError) as e:
@@ -78,8 +80,9 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
     p = pipeline
     dataset_bytes = p.samples * p.sample_bytes
     lines = [f"dataset {p.samples} samples, {format_bytes(dataset_bytes)}; cache "
-             f"{format_bytes(p.cache_fraction * dataset_bytes)} ({p.cache_fraction:.0%}), {p.workers} workers on "
-             f"{p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
+             f"{format_bytes(p.cache_fraction * dataset_bytes)} ({p.cache_fraction:.0%}), " +
+             (f"DALI: {p.workers} prep and {p.fetch_threads} fetch threads" if p.fetch_threads else
+              f"{p.workers} workers") + f" on {p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
              (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else "") +
              (f"; {p.ranks} ranks, each with the rates below (the job: {p.ranks} × a rank's)" if p.ranks > 1
               else ""),
@@ -90,7 +93,7 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
     if p.R is not None:
         lines.append(f"  R peers         {_rate(p.R, p.sample_bytes)}")
     lines += [f"  F fetch         {_rate(p.fetch_rate, p.sample_bytes)}"]
-    if p.L > 0:
+    if p.L > 0 and not p.fetch_threads:
         lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.L * 1e3:.2f} ms "
                      "waited per miss)")
     lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
@@ -110,7 +113,8 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
             text = ("no cache is enough: the cache's own rate C is below min(P, G)" if rate is None else
                     f"{format_bytes(a['cache_bytes'])} ({a['cache_fraction']:.0%} of the dataset)")
         elif "workers" in a:
-            text = f"not even {2 * p.cores} workers" if rate is None else f"{a['workers']} workers"
+            unit = "threads (num_workers=)" if p.fetch_threads else "workers"
+            text = f"not even {2 * p.cores} {unit}" if rate is None else f"{a['workers']} {unit}"
         else:
             text = ""
         extra = f" (each on its own: {a['uncoordinated_samples_per_s']:.1f})" if "uncoordinated_samples_per_s" in a \

@@ -198,7 +198,7 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
                         S=rates["S"], C=rates["C"], L=rates["L"], workers=rates["workers"], cores=rates["cores"],
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes),
-                        ranks=rates["local_world_size"])
+                        fetch_threads=rates["fetch_threads"], ranks=rates["local_world_size"])
     return pipeline, {"results": results, "flags": flags}
 
 

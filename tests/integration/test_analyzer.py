@@ -41,6 +41,7 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert 0 <= doc["measured_hit_fraction"] <= 1
     assert doc["phases"]["ingestion"]["iters"] == 20 and doc["phases"]["rates"]["subset"] == 96
+    assert doc["phases"]["rates"]["S_passes"] >= 2  # 96 small files read in far less than phases.STORAGE_MIN_S
     assert "bottleneck:" in proc.stdout and "what if:" in proc.stdout and "[3/3]" in proc.stdout
     for phase in ("ingestion", "rates", "run"):
         assert (tmp_path / f"phase-{phase}.log").exists() and (tmp_path / f"phase-{phase}.json").exists()
@@ -122,14 +123,66 @@ def test_a_job_over_several_servers_is_told_it_cannot_be_measured_yet(image_root
     assert proc.returncode == 1 and "jobs on one server for now" in proc.stderr
 
 
+@pytest.mark.parametrize("cache", ["auto", "0"])
+def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_path, cache):
+    """P from a second DALI pipeline with the loader's settings (over cached items, or bytes held in memory
+    without a cache); the model's fetch threads run ahead of DALI's prep, so prep never waits for a miss."""
+    step_s = 0.01
+    proc = _analyze(tmp_path, image_root, "--backend", "dali", "--workers", "2", "--cache-bytes", cache,
+                    "--step-s", str(step_s))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    rates = doc["phases"]["rates"]
+    assert rates["backend"] == "dali" and rates["workers"] == 2 and rates["fetch_threads"] == 2
+    assert rates["P_from"] == ("cache" if cache == "auto" else "memory") and rates["P"] > 0
+    assert doc["config"]["fetch_threads"] == 2 and doc["worker_samples_per_s"] == doc["rates"]["P"]
+    assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], doc["rates"]["P"], doc["rates"]["G"])
+    assert doc["rates"]["G"] <= BATCH / step_s and 0 < doc["measured_samples_per_s"] <= BATCH / step_s
+    assert "DALI: 2 prep and 2 fetch threads" in proc.stdout and "threads (num_workers=)" in proc.stdout
+
+
+def test_a_job_in_an_hp_group_is_refused_in_the_first_phase(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--hp-group", "analyzed")
+    assert proc.returncode == 1 and "failed in the ingestion phase" in proc.stderr
+    assert "hp_group='analyzed'" in proc.stderr and "--coordinated" in proc.stderr
+
+
+def _in_phase(monkeypatch, tmp_path, phase: str, iters: int = 6, warmup: int = 2) -> None:
+    for name, value in ((phases.PHASE_ENV, phase), (phases.RESULT_ENV, str(tmp_path / "result.json")),
+                        (phases.ITERS_ENV, str(iters)), (phases.WARMUP_ENV, str(warmup))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(phases, "_measured", [])
+
+
+def test_a_dataset_coordl_cannot_read_raw_is_named_in_the_first_phase(tmp_path, monkeypatch):
+    _in_phase(monkeypatch, tmp_path, "ingestion")
+    loader = coordl.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=4)
+    with pytest.raises(RuntimeError, match="this one loads TensorDataset"):
+        iter(loader)
+    loader.close()
+
+
+def test_the_ingestion_phase_drops_the_dali_pipeline_and_replays_a_copy_of_its_first_batch(image_root, tmp_path,
+                                                                                          monkeypatch):
+    _in_phase(monkeypatch, tmp_path, "ingestion")
+    loader = coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), batch_size=4, shuffle=True,
+                               backend="dali", cache_bytes=0)
+    backend = loader.epoch_ledger.feed.backend
+    batches = []
+    with pytest.raises(SystemExit):
+        for images, _ in loader:
+            batches.append(images)
+            assert backend._pipe is None  # nothing loads while the loop runs
+    loader.close()
+    assert len(batches) == 8 and all(torch.equal(b, batches[0]) for b in batches)
+    assert json.load(open(tmp_path / "result.json"))["iters"] == 6
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root, tmp_path, monkeypatch, workers):
     """With workers, the batches after the first are copies sent by other worker processes (the loop pays for
     taking each); without, the training process loads, and the loop gets the batch itself."""
-    for name, value in ((phases.PHASE_ENV, "ingestion"), (phases.RESULT_ENV, str(tmp_path / "g.json")),
-                        (phases.ITERS_ENV, "6"), (phases.WARMUP_ENV, "2")):
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(phases, "_measured", [])
+    _in_phase(monkeypatch, tmp_path, "ingestion")
     dataset = torchvision.datasets.ImageFolder(image_root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(16, antialias=True), transforms.ToTensor()]))
     loader = coordl.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
@@ -144,4 +197,4 @@ def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root
     loader.close()
     assert len(batches) == 8 and all(torch.equal(b, batches[0]) for b in batches)
     assert len({b.data_ptr() for b in batches}) == (8 if workers else 1)
-    assert json.load(open(tmp_path / "g.json"))["iters"] == 6
+    assert json.load(open(tmp_path / "result.json"))["iters"] == 6

@@ -84,6 +84,25 @@ def test_a_worker_waits_for_its_misses_before_it_prepares_them():
         Pipeline(**{**BASE, "L": -1.0})
 
 
+def test_dali_fetches_ahead_so_its_threads_waits_bound_fetching_not_prep():
+    """The DALI backend: ``fetch_threads`` threads fetch batches ahead of its prep threads (``workers``)."""
+    p = Pipeline(**{**BASE, "S": 1000.0, "L": 0.004, "workers": 2, "fetch_threads": 2})
+    assert p.worker_rate == p.P == 600.0  # prep never waits for a miss
+    threads = 2 / ((1 - p.cache_fraction) * 0.004)  # each thread waits L per miss: 714 samples/s
+    assert p.fetch_rate == pytest.approx(threads) and threads < 1 / (0.3 / p.C + 0.7 / p.S)
+    assert p.predicted == pytest.approx(600.0) and p.bottleneck == "prep"
+    one = p.with_changes(workers=1)  # coordl's DALI backend: as many fetch threads as prep threads
+    assert one.fetch_threads == 1 and one.fetch_rate == pytest.approx(threads / 2)
+    assert dataclasses.replace(p, P=1200.0).bottleneck == "fetch"  # the threads' waits, not the storage's rate
+    assert p.with_changes(workers=0).fetch_threads == 1
+    assert p.with_changes(cache_fraction=1.0).fetch_rate == pytest.approx(p.C)  # no misses, no waits
+    assert Pipeline(**{**BASE, "workers": 2}).with_changes(workers=4).fetch_threads == 0  # torch stays torch
+    report = analyzer.describe(p)
+    assert "DALI: 2 prep and 2 fetch threads" in report and "W workers" not in report
+    with pytest.raises(ValueError, match="workers at least 0"):
+        Pipeline(**{**BASE, "fetch_threads": -1})
+
+
 def test_storage_servers_and_jobs():
     p = Pipeline(**BASE)
     assert p.with_changes(storage_factor=2.0).S == 2 * p.S
@@ -104,7 +123,7 @@ def test_a_wrong_rate_or_setting_is_refused_by_name(field, value):
 
 
 def test_an_analysis_round_trips_through_its_json(tmp_path):
-    p = Pipeline(**{**BASE, "R": 2000.0})
+    p = Pipeline(**{**BASE, "R": 2000.0, "L": 0.001, "fetch_threads": 3})
     path = str(tmp_path / "analysis.json")
     analyzer.save(path, p, measured=205.0)
     doc = json.load(open(path))
