@@ -42,15 +42,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.analyzer", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where results.json, setup.json, results.md and the plot go")
     parser.add_argument("--quick", action="store_true", help="2 configurations, 1 run each, a small dataset")
+    add_job_arguments(parser, epochs=3)
+    return parser.parse_args(argv)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, *, epochs: int) -> None:
+    """The dataset, the job (``analyzer_job.py``) and the analyses' settings, shared with ``benchmarks.knees``."""
     parser.add_argument("--images", type=int, help="JPEGs in the dataset (default 600; quick: 120)")
     parser.add_argument("--mean-side-px", type=int, default=400, help="mean side of the JPEGs (default 400)")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs of each measured run (default 3)")
+    parser.add_argument("--epochs", type=int, default=epochs, help=f"epochs of each measured run (default {epochs})")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the training step per batch (default 20)")
     parser.add_argument("--iters", type=int, default=40, help="coordl analyze --iters (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="coordl analyze --warmup (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="/var/tmp", help="where the dataset's disk image goes")
-    return parser.parse_args(argv)
 
 
 def _cgroup(cleanup: Cleanup, version: int, device: str, read_mbps: float):

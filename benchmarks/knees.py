@@ -37,15 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.knees", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where results.json, setup.json, results.md and knees.png go")
     parser.add_argument("--quick", action="store_true", help="1 setting, 3 cache fractions, 1 run each, small")
-    parser.add_argument("--images", type=int, help="JPEGs in the dataset (default 600; quick: 120)")
-    parser.add_argument("--mean-side-px", type=int, default=400, help="mean side of the JPEGs (default 400)")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs of each measured run (default 4)")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="the training step per batch (default 20)")
-    parser.add_argument("--iters", type=int, default=40, help="coordl analyze --iters (default 40)")
-    parser.add_argument("--warmup", type=int, default=5, help="coordl analyze --warmup (default 5)")
+    analyzer.add_job_arguments(parser, epochs=4)
     parser.add_argument("--within", type=float, default=0.03, help="a knee: within this of the best (default 0.03)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", default="/var/tmp", help="where the dataset's disk image goes")
     return parser.parse_args(argv)
 
 
