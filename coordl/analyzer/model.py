@@ -78,8 +78,9 @@ class Pipeline:
             raise ValueError(f"cache_fraction should be in [0, 1], but got {self.cache_fraction!r}")
         if min(self.samples, self.cores, self.servers, self.jobs, self.ranks) < 1 or min(self.workers,
                                                                                          self.fetch_threads) < 0:
-            raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers at least 0: "
-                             f"{self.samples}, {self.cores}, {self.servers}, {self.jobs}, {self.ranks}, {self.workers}")
+            raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers and "
+                             f"fetch_threads at least 0: {self.samples}, {self.cores}, {self.servers}, {self.jobs}, "
+                             f"{self.ranks}, {self.workers}, {self.fetch_threads}")
         if self.servers > 1 and self.R is None:
             raise ValueError("a pipeline over several servers needs the peer fetch rate R (`coordl whatif`: --peer-mbps)")
 

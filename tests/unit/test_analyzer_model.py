@@ -99,7 +99,7 @@ def test_dali_fetches_ahead_so_its_threads_waits_bound_fetching_not_prep():
     assert Pipeline(**{**BASE, "workers": 2}).with_changes(workers=4).fetch_threads == 0  # torch stays torch
     report = analyzer.describe(p)
     assert "DALI: 2 prep and 2 fetch threads" in report and "W workers" not in report
-    with pytest.raises(ValueError, match="workers at least 0"):
+    with pytest.raises(ValueError, match="fetch_threads at least 0: .*, -1$"):
         Pipeline(**{**BASE, "fetch_threads": -1})
 
 
