@@ -152,6 +152,22 @@ def markdown(result: dict, setup: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
+    """``images`` generated JPEGs copied onto a throttled loop device of their own, every page dropped so
+    that each run starts cold: the work folder, the storage and the files' sizes."""
+    from coordl.synthetic import make_image_folder
+    work = cleanup.workdir(args.workdir)
+    source = os.path.join(work, "train")
+    print(f"generating {images} JPEGs ...", flush=True)
+    make_image_folder(source, images, mean_side_px=args.mean_side_px, seed=args.seed)
+    storage = prepare_storage("cgroup", source, cleanup, work)
+    evict_files(storage.root)
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(storage.root) for f in fs]
+    print(f"dataset {len(sizes)} files, {sum(sizes) / 2**20:.1f} MiB on {storage.dataset_on} ({storage.detail})",
+          flush=True)
+    return work, storage, sizes
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     grid = QUICK if args.quick else FULL
@@ -160,19 +176,10 @@ def main(argv=None) -> int:
     if not version:
         print("benchmarks.analyzer needs root and cgroups (it throttles the dataset's own disk)", file=sys.stderr)
         return 2
-    from coordl.synthetic import make_image_folder
     load_at_start = os.getloadavg()
     with Cleanup() as cleanup:
-        work = cleanup.workdir(args.workdir)
-        source = os.path.join(work, "train")
-        print(f"generating {images} JPEGs ...", flush=True)
-        make_image_folder(source, images, mean_side_px=args.mean_side_px, seed=args.seed)
-        storage = prepare_storage("cgroup", source, cleanup, work)
-        evict_files(storage.root)  # the copy's pages: every run starts cold
-        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(storage.root) for f in fs]
+        work, storage, sizes = dataset_on_its_disk(cleanup, args, images)
         dataset_bytes = sum(sizes)
-        print(f"dataset {len(sizes)} files, {dataset_bytes / 2**20:.1f} MiB on {storage.dataset_on} "
-              f"({storage.detail})", flush=True)
         configs = [{"cache_fraction": x, "read_mbps": mbps, "workers": w,
                     "cache_bytes": int(x * dataset_bytes) + (max(sizes) if x == 1.0 else 0)}
                    for x in grid["fractions"] for mbps in grid["mbps"] for w in grid["workers"]]

@@ -27,7 +27,7 @@ import sys
 
 from benchmarks import analyzer, report
 from benchmarks.metrics import spread
-from benchmarks.storage_env import Cleanup, cgroup_version, evict_files, prepare_storage
+from benchmarks.storage_env import Cleanup, cgroup_version
 
 FULL = dict(settings=((20.0, 1), (10.0, 2)), reps=2, step=0.05)
 QUICK = dict(settings=((10.0, 1),), reps=1, step=0.5)
@@ -61,18 +61,11 @@ def main(argv=None) -> int:
         print("benchmarks.knees needs root and cgroups (it throttles the dataset's own disk)", file=sys.stderr)
         return 2
     from coordl.analyzer import load
-    from coordl.synthetic import make_image_folder
     load_at_start = os.getloadavg()
     fractions = [round(i * grid["step"], 6) for i in range(int(round(1 / grid["step"])) + 1)]
     cores = len(os.sched_getaffinity(0))
     with Cleanup() as cleanup:
-        work = cleanup.workdir(args.workdir)
-        source = os.path.join(work, "train")
-        print(f"generating {images} JPEGs ...", flush=True)
-        make_image_folder(source, images, mean_side_px=args.mean_side_px, seed=args.seed)
-        storage = prepare_storage("cgroup", source, cleanup, work)
-        evict_files(storage.root)
-        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(storage.root) for f in fs]
+        work, storage, sizes = analyzer.dataset_on_its_disk(cleanup, args, images)
         dataset_bytes = sum(sizes)
         settings = []
         for mbps, workers in grid["settings"]:
