@@ -155,8 +155,9 @@ class CachedDataset(torch.utils.data.Dataset):
         file's stamp (one ``stat``) is the one it was cached with: else (edited, replaced, a link
         re-pointed, gone) it is read from storage and counted ``stale``; the cache keeps the old bytes
         (never rewritten under readers) and serves them to no one. Bytes from a peer are not inserted:
-        the peer holds them already. Bytes from storage that a full cache cannot take are handed to a peer
-        with room (``partitioned`` NOTE [ Hand-off ]).
+        the peer holds them already, and neither are bytes read from storage because the peer that the map
+        says holds them did not deliver. Bytes from storage that a full cache cannot take are handed to a
+        peer with room (``partitioned`` NOTE [ Hand-off ]).
         """
         if self.cache is not None and torch.utils.data.get_worker_info() is not None:
             exit_when_orphaned(self._release)
@@ -224,9 +225,12 @@ class CachedDataset(torch.utils.data.Dataset):
         row[_STORAGE_NS] += time.perf_counter_ns() - started
         row[_MISSES] += 1
         row[_STORAGE_BYTES] += len(raw)
+        peers = self.peers
+        if peers is not None and peers.held_elsewhere(index):
+            return raw  # its owner did not deliver (slow, down, stale): no second copy while the map names it
         if cache is not None and (stamp is not None or stamped is None):
-            if not cache.put(index, raw, stamp) and self.peers is not None and cache.full:
-                self.peers.hand_off(index, raw)  # see partitioned NOTE [ Hand-off ]
+            if not cache.put(index, raw, stamp) and peers is not None and cache.full:
+                peers.hand_off(index, raw)  # see partitioned NOTE [ Hand-off ]
         return raw
 
     def __getitem__(self, index: int) -> Any:

@@ -32,7 +32,10 @@ did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight
 later batches of the plan are out while the training loop consumes earlier ones. A peer that refuses
 the connection, breaks the protocol or sends nothing for ``COORDL_PEER_TIMEOUT_S`` (default 1 s) is
 marked down for the rest of the epoch in shared memory (so the rank's other workers skip it at
-once), logged once, and its items come from storage; every epoch start tries it again.
+once), logged once, and its items come from storage; every epoch start tries it again. An item read from
+storage because its owner did not deliver it is not cached here, even with room: its copy is the
+owner's while the map names it (a server gone from the next map owns nothing, and its items are then
+cached where they are read).
 
 NOTE [ Hand-off ]
 A server's share of an epoch is random, so with an aggregate cache of about the dataset some caches
@@ -490,6 +493,12 @@ class PeerTier:
             pending.sent[node] = ids
             pending.asked.update(ids)
         return pending
+
+    def held_elsewhere(self, index: int) -> bool:
+        """Whether this epoch's map says another server caches ``index`` (its copy is there even when it
+        does not deliver: a read from storage then adds no second copy here)."""
+        owner = int(self.state.owner[index])
+        return owner >= 0 and owner != self.topology.node
 
     def hand_off(self, index: int, raw) -> None:
         """Offer ``index``'s bytes, just read from storage while this node's cache is full, to a peer whose

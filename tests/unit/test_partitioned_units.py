@@ -205,3 +205,58 @@ def test_a_process_exits_with_its_background_threads_stopped_and_out_of_torch(tm
     assert seen["threads"] == [], seen
     assert not [call for call in seen["torch_calls"] if call[0] == "coordl-hand-off"], seen
     assert any(call[0] == "coordl-peer-addresses" for call in seen["torch_calls"])  # the watch sees store calls
+
+
+def test_an_item_its_owner_does_not_deliver_is_read_from_storage_and_not_cached_twice(tmp_path):
+    """NOTE [ Peer read path ]: server 1 owns items 0 and 1 but serves only 0 (its copy of 1 is stale, say);
+    item 2 is no server's. With room in this server's cache, only item 2 goes in: 0 came from the peer and
+    1's copy is server 1's while the map names it. With server 1 gone, 0 too is read and not cached."""
+    import torch.distributed as dist
+
+    from coordl.cached_dataset import CachedDataset, SampleCounters
+    from coordl.minio_cache import MinIOCache, cache_segment_name
+    from coordl.peer_server import PeerServer
+    from coordl.storage import FileStorage
+
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * (100 + i))
+
+    class Source:
+        def __len__(self):
+            return len(files)
+
+        def raw_key(self, i):
+            return str(files[i])
+
+        def decode_raw(self, i, raw):
+            return bytes(raw)
+
+    peer = PeerServer(lambda i: files[i].read_bytes() if i == 0 else None, len(files), b"s" * 16, "127.0.0.1").start()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
+                                    master_addr="127.0.0.1", master_port=store.port, run="no-double")
+    os.environ[partitioned.SECRET_ENV] = "s" * 16
+    try:
+        tier = partitioned.PeerTier(topology, None, Source(), None, processes=1)
+        tier.state.set_address(1, "127.0.0.1:%d" % peer.address[1])
+        tier.state.owner[:] = [1, 1, -1]
+        tier.state.meta[0] = 1  # a map is known
+        with MinIOCache(cache_segment_name(f"no-double-{time.monotonic_ns()}"), n_items=3, capacity_bytes=2**20,
+                        fingerprint=bytes(32)) as cache:
+            counters = SampleCounters(1)
+            dataset = CachedDataset(Source(), Source(), cache, FileStorage(drop_page_cache=False), counters,
+                                    identity=bytes(32), peers=tier)
+            got = dataset.fetch_many([0, 1, 2], counters.row())
+            assert [bytes(g) for g in got] == [f.read_bytes() for f in files]
+            row = counters.totals()
+            assert (row["peer_hits"], row["misses"]) == (1, 2)
+            assert [cache.get(i) is not None for i in range(3)] == [False, False, True]
+            peer.close()
+            tier.state.down[1] = 1  # found gone: its items come from storage, its copies stay its own
+            assert [bytes(g) for g in dataset.fetch_many([0, 1], counters.row())] == [f.read_bytes() for f in files[:2]]
+            assert [cache.get(i) is not None for i in range(3)] == [False, False, True]
+            tier.close()
+    finally:
+        del os.environ[partitioned.SECRET_ENV]
+        peer.close()
