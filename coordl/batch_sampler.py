@@ -23,6 +23,7 @@ import torch.utils.data
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from coordl import resume_state
+from coordl.analyzer import phases as analyzer_phases
 
 
 class _PassCheckpoints:
@@ -141,7 +142,11 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
         return (list(batch) for batch in batches)
 
     def __iter__(self):
-        return EpochPass(self) if self.epochs is not None else self.plain_batches()
+        if self.epochs is None:
+            return self.plain_batches()
+        if analyzer_phases.current() is not None:  # run by `coordl analyze` (analyzer/phases.py)
+            return analyzer_phases.observe_pass(self, lambda: EpochPass(self))
+        return EpochPass(self)
 
     def __len__(self) -> int:
         return len(self.batches) if self.batches is not None else super().__len__()
@@ -168,8 +173,7 @@ class EpochSampler(_PassCheckpoints, torch.utils.data.Sampler):
     def plain_batches(self):
         return iter(self.sampler)
 
-    def __iter__(self):
-        return EpochPass(self) if self.epochs is not None else self.plain_batches()
+    __iter__ = EpochBatchSampler.__iter__
 
     def __len__(self) -> int:
         return len(self.sampler)

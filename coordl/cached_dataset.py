@@ -26,7 +26,7 @@ and the time spent reading storage, waiting for peers and preparing samples (dec
 (_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES, _STORAGE_NS, _PEER_NS,
  _PREP_NS) = range(len(COUNTER_FIELDS))
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
-_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers"))
+_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "replay"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
@@ -94,6 +94,7 @@ class CachedDataset(torch.utils.data.Dataset):
     With a feed (``feed``, set by the loader: see ``epoch_ledger`` NOTE [ Feeds ]), ``__getitems__`` hands
     out the feed's prepared batches instead of fetching samples. A feed lives in the training process:
     a copy of the dataset in a worker process refuses to load rather than return undecoded samples.
+    ``replay`` is set only in ``coordl analyze``'s ingestion phase (``analyzer.phases.FirstBatches``).
     """
 
     def __init__(self, dataset, source: RawBytesDataset | None, cache: MinIOCache | None,
@@ -106,6 +107,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.identity = identity
         self.peers = peers
         self.feed = None
+        self.replay = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -257,6 +259,11 @@ class CachedDataset(torch.utils.data.Dataset):
             raise
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
+        if self.replay is not None:  # coordl analyze's ingestion phase (analyzer/phases.py FirstBatches)
+            return self.replay(self._batch, indices, self.feed)
+        return self._batch(indices)
+
+    def _batch(self, indices: list[int]) -> list[Any]:
         if self.feed is not None:
             if self.feed is _ELSEWHERE:
                 raise RuntimeError(

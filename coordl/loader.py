@@ -231,6 +231,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         group = hp_group if getattr(feed, "group", None) is not None else None
         self._cache_stats = _cache_fill(wrapped)  # not a bound method: the ledger must not keep this loader alive
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats), plan)
+        self.epoch_ledger.built_with = analyzer_phases.BuiltWith.of(self)
 
     def _feed(self, dali, staging_bytes, prep_options: dict):
         """The feed of prepared batches: the group's (hp_group), else the DALI pipeline's."""

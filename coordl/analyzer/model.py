@@ -18,6 +18,11 @@ workers deliver ``W = min(P, workers / (processes/P + misses·L))``, and the pre
 ``min(F, W, G)``. With the DALI backend, ``fetch_threads`` threads fetch batches ahead of DALI's prep
 threads, so prep never waits (``W = P``) and the fetch threads' own waits bound fetching instead:
 ``F = min(F, fetch_threads / (misses·L))``.
+
+The training process and prep share the cores: with ``step_cpu_s`` and ``prep_cpu_s`` seconds of CPU per
+sample (the training process's in the ingestion phase; prep's while ``P`` is measured), no more than
+``cores / (step_cpu_s + prep_cpu_s)`` samples/s go through, however many workers there are; that bound
+is part of ``W`` (each of ``jobs`` jobs pays its own step, and its own prep unless coordinated).
 """
 
 import dataclasses
@@ -47,6 +52,8 @@ class Pipeline:
         ranks: training processes of the job on this server (torchrun), each with these rates and its
             share of ``cores``: the rates, the prediction and the stalls are a rank's, over its
             ``samples / ranks`` of an epoch; the job's samples/s is ``ranks`` times the prediction.
+        step_cpu_s, prep_cpu_s: CPU seconds per sample of the training process (the step and taking its
+            batch) and of prep (0: not measured, no CPU bound).
     """
 
     samples: int
@@ -65,13 +72,16 @@ class Pipeline:
     coordinated: bool = False
     fetch_threads: int = 0
     ranks: int = 1
+    step_cpu_s: float = 0.0
+    prep_cpu_s: float = 0.0
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} should be a rate above 0, but got {getattr(self, name)!r}")
-        if not self.L >= 0:
-            raise ValueError(f"L should be seconds at or above 0, but got {self.L!r}")
+        for name in ("L", "step_cpu_s", "prep_cpu_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} should be seconds at or above 0, but got {getattr(self, name)!r}")
         if self.R is not None and not self.R > 0:
             raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
         if not 0 <= self.cache_fraction <= 1:
@@ -105,13 +115,23 @@ class Pipeline:
         return self.P / (1 if self.coordinated else self.jobs)
 
     @property
+    def cpu_rate(self) -> float:
+        """Samples/s of one job that the cores can take: each job's step and prep (shared when coordinated)
+        in CPU seconds per sample; unbounded where not measured."""
+        seconds = self.jobs * self.step_cpu_s + (1 if self.coordinated else self.jobs) * self.prep_cpu_s
+        return self.cores / seconds if self.prep_cpu_s > 0 else math.inf
+
+    @property
     def worker_rate(self) -> float:
-        """W: samples/s of one job's workers when each waits ``L`` per miss before it prepares its batch."""
-        if self.workers == 0 or self.L == 0 or self.fetch_threads:  # no wait, or fetched ahead (DALI)
+        """W: samples/s of one job's workers when each waits ``L`` per miss before it prepares its batch, and
+        the cores also run the training process."""
+        if self.workers == 0:
             return self.prep_rate
+        if self.L == 0 or self.fetch_threads:  # no wait, or fetched ahead (DALI)
+            return min(self.prep_rate, self.cpu_rate)
         misses = 1.0 - min(1.0, self.servers * self.cache_fraction)
         seconds = _processes(self.workers, self.cores) / self.P + misses * self.L  # of one worker, per sample
-        return min(self.P, self.workers / seconds) / (1 if self.coordinated else self.jobs)
+        return min(min(self.P, self.workers / seconds) / (1 if self.coordinated else self.jobs), self.cpu_rate)
 
     @property
     def predicted(self) -> float:
@@ -134,8 +154,8 @@ class Pipeline:
         samples = self.samples / self.ranks  # a rank's share of an epoch
         if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching the rest
             prep_s = samples / self.prep_rate
-        else:
-            prep_s = max(0.0, samples / min(self.prep_rate, self.G) - samples / self.G)
+        else:  # prep's own rate, or the cores it takes from the training process
+            prep_s = max(0.0, samples / min(self.prep_rate, self.cpu_rate, self.G) - samples / self.G)
         ideal_s = samples / self.G
         return {"ideal_s": ideal_s, "prep_s": prep_s, "fetch_s": max(0.0, samples / rate - ideal_s - prep_s)}
 

@@ -18,11 +18,25 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
   paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
-  nothing else running, over at least 2 passes and 5 s after a first that starts the workers). With
+  nothing else running, over at least 2 passes and 5 s after a first that starts the workers; and the
+  CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
   ``backend='dali'``, P is the loader's DALI pipeline (a second one with the same settings) preparing
   those items, and the result says how many threads fetch ahead of it (``fetch_threads``).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
+
+A timed window also says the training process's CPU seconds per sample over it (``loop_cpu_s``, all its
+threads): in the ingestion phase, what the step and taking its batch cost the cores that prep shares.
+
+A framework that iterates a torch DataLoader built from the coordl loader's parts (Accelerate and others:
+its ``dataset``, ``batch_sampler`` and ``collate_fn``) is measured through those parts
+(:func:`observe_pass`, called by the batch sampler at each ``iter()``): the rates phase runs at the first
+``iter()``, before torch starts workers; a timed window counts the batches torch draws from the batch
+sampler, past the ``workers x prefetch_factor`` it draws before the loop has its first; and in the
+ingestion phase the dataset proxy hands each process's first batch out again (:class:`FirstBatches`:
+nothing fetched or prepared; torch still collates it), and passes after the first draw plain batches, so
+no epoch (nor DALI pipeline) starts again. A worker that a later pass starts loads its first batch
+afresh. The settings the phases use are the coordl loader's, as built (``EpochLedger.built_with``).
 
 Each rank of a torchrun job on one server measures at once (so they share storage, cache and cores as in
 training; each rank's S, L, C and P over its own part of a common random subset) and writes its own
@@ -32,6 +46,7 @@ result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``.
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -61,6 +76,27 @@ STORAGE_MIN_S = 3.0
 STORAGE_REST_S = 1.0
 """Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
+_own_pass = []  # set while coordl.DataLoader's own iterator starts a pass (observe_pass leaves it alone)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltWith:
+    """The settings a coordl loader was built with, which a phase measures a torch DataLoader that a framework
+    built from its parts with (``EpochLedger.built_with``)."""
+
+    batch_size: int | None
+    backend: str
+    num_workers: int
+    collate_fn: object
+    worker_init_fn: object
+    multiprocessing_context: object
+    pin_memory: bool
+    prefetch_factor: int | None
+    hp_group: str | None
+
+    @classmethod
+    def of(cls, loader) -> "BuiltWith":
+        return cls(**{f.name: getattr(loader, f.name) for f in dataclasses.fields(cls)})
 
 
 def current() -> str | None:
@@ -100,24 +136,66 @@ def _finish(result: dict) -> None:
 def observe(loader, start):
     """The iterator the script gets from ``iter(loader)`` in a phase (``start()`` makes the loader's own): the
     loader's own unless it is the one measured."""
-    if _measured and _measured[0].loader is not loader:
-        return start()
-    if not _measured:
-        _check_measurable(loader)
-        _measured.append(_Window(loader, current()))
-        open(result_path() + CLAIMED, "w").close()
-        if _measured[0].phase == "rates":  # before any worker starts
-            _finish(measure_rates(loader, (_measured[0].warmup + _measured[0].iters) * _measured[0].batch_size))
-    window = _measured[0]
+    if _measured and _measured[0].ledger is not loader.epoch_ledger:
+        return _own(start)
+    window = _measured[0] if _measured else _claim(loader)
     if window.phase == "ingestion" and window.first is not None:  # a later pass: the same batch, nothing loads
         return _Timed(window, None)
-    return _Timed(window, start())
+    return _Timed(window, _own(start))
+
+
+def observe_pass(sampler, start):
+    """The pass torch's iterator draws from ``sampler`` (a coordl batch sampler, at ``iter()``; ``start()``
+    makes its own) in a phase. Left as it is under coordl.DataLoader's own iterator (:func:`observe`) and for
+    a loader not measured; else the window counts the batches drawn (see the module's docstring)."""
+    if _own_pass or (_measured and _measured[0].ledger is not sampler.epochs):
+        return start()
+    window = _measured[0] if _measured else _claim(_Parts(sampler))
+    if window.phase == "ingestion":
+        if window.taken:  # a later pass: no epoch, no feed, nothing loads
+            return _Drawn(window, sampler.plain_batches())
+        if sampler.epochs.dataset.replay is None:  # set before torch starts (or forks) its workers
+            sampler.epochs.dataset.replay = FirstBatches()
+    return _Drawn(window, start())
+
+
+def _own(start):
+    """``start()`` of coordl.DataLoader's own iterator, the batch sampler's ``iter()`` in it left alone."""
+    _own_pass.append(True)
+    try:
+        return start()
+    finally:
+        _own_pass.pop()
+
+
+def _claim(loader) -> "_Window":
+    """Measure ``loader`` in this process's phase (the rates phase ends here, before any worker starts)."""
+    _check_measurable(loader)
+    window = _Window(loader, current())
+    _measured.append(window)
+    open(result_path() + CLAIMED, "w").close()
+    if window.phase == "rates":
+        _finish(measure_rates(loader, (window.warmup + window.iters) * window.batch_size))
+    return window
+
+
+class _Parts:
+    """A torch DataLoader built from a coordl loader's parts, as a phase sees it: the dataset proxy and the
+    ledger its batch sampler carries, with the settings the coordl loader was built with."""
+
+    def __init__(self, sampler):
+        ledger = sampler.epochs
+        self.__dict__.update(vars(ledger.built_with))
+        self.dataset, self.epoch_ledger, self.batch_sampler = ledger.dataset, ledger, sampler
+
+    def stats(self):
+        return self.epoch_ledger.stats()
 
 
 def _check_measurable(loader) -> None:
     """Refuse, in the first phase, a loader whose rates phase could not be measured."""
     dataset = loader.dataset
-    if loader.epoch_ledger.feed is not None and _dali(loader) is None:
+    if loader.epoch_ledger.feed is not None and _dali(loader.epoch_ledger) is None:
         raise RuntimeError(f"coordl analyze does not measure a job in an hp_group yet (this loader has "
                            f"hp_group={loader.hp_group!r}); analyze it without hp_group=, and `coordl whatif "
                            f"analysis.json --jobs K --coordinated` predicts K jobs that coordinate their prep")
@@ -133,17 +211,30 @@ class _Window:
     and cache counts when the timed ``iters`` began, after ``warmup``."""
 
     def __init__(self, loader, phase: str):
-        self.loader, self.phase = loader, phase
+        self.loader, self.ledger, self.phase = loader, loader.epoch_ledger, phase
         self.batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         if not self.batch_size:
             raise RuntimeError("coordl analyze needs the measured loader's batch size (batch_size=, or a batch "
                                "sampler with a batch_size attribute)")
         self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
+        self.cpu_started = None
+        # batches torch draws before the loop has its first (counted only where the draws are: _Drawn)
+        self.ahead = loader.num_workers * loader.prefetch_factor if isinstance(loader, _Parts) and \
+            loader.num_workers else 0
+
+    def count(self) -> None:
+        """Before the next batch: end the phase after the window's last; start its clock after the warm-up."""
+        if self.taken == self.ahead + self.warmup + self.iters:
+            _finish(self.result())
+        if self.taken == self.ahead + self.warmup:
+            self.started, self.hits_before = time.perf_counter(), _hits(self.loader)
+            self.cpu_started = time.process_time()  # the training process's, all its threads
 
     def result(self) -> dict:
-        elapsed = time.perf_counter() - self.started
-        out = {"phase": self.phase, "samples_per_s": self.iters * self.batch_size / elapsed,
+        elapsed, cpu_s = time.perf_counter() - self.started, time.process_time() - self.cpu_started
+        samples = self.iters * self.batch_size
+        out = {"phase": self.phase, "samples_per_s": samples / elapsed, "loop_cpu_s": cpu_s / samples,
                "iters": self.iters, "batch_size": self.batch_size}
         if self.phase == "run":
             hits, fetched = _hits(self.loader)
@@ -167,10 +258,7 @@ class _Timed:
 
     def __next__(self):
         w = self._window
-        if w.taken == w.warmup + w.iters:
-            _finish(w.result())
-        if w.taken == w.warmup:
-            w.started, w.hits_before = time.perf_counter(), _hits(w.loader)
+        w.count()
         if w.phase == "ingestion" and w.first is not None:
             batch = w.first if w.handover is None else next(w.handover)
         else:
@@ -182,13 +270,55 @@ class _Timed:
         return batch
 
 
+class _Drawn:
+    """A pass of the measured loader's batch sampler that a torch iterator coordl does not own draws from:
+    the window counts its draws (see the module's docstring)."""
+
+    def __init__(self, window: _Window, batches):
+        self._window, self._batches = window, batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        self._window.count()
+        batch = next(self._batches)
+        self._window.taken += 1
+        return batch
+
+
+class FirstBatches:
+    """The dataset proxy's batches in the ingestion phase of a loader built from its parts: in each process,
+    the first is loaded (and a DALI pipeline then dropped), every later one is that first again."""
+
+    def __init__(self):
+        self._first, self._pid = None, None
+
+    def __getstate__(self) -> dict:
+        return {"_first": None, "_pid": None}  # a worker loads its own
+
+    def __call__(self, load, indices: list[int], ledger):
+        """``load(indices)`` in this process the first time, after that its result; ``ledger``: the feed's
+        (the dataset's ``feed``), or None."""
+        if self._pid == os.getpid():
+            first = self._first
+            return list(first) if isinstance(first, list) else first
+        batch = load(indices)
+        dali = _dali(ledger) if ledger is not None else None
+        if dali is not None:
+            batch = copy.deepcopy(batch)  # out of the pipeline's buffers, before it goes
+            dali.discard()
+        self._first, self._pid = batch, os.getpid()
+        return batch
+
+
 def _stop_loading(loader, iterator, batch):
     """Nothing loads while the loop runs: the loader's workers are stopped, its DALI pipeline dropped.
     Returns ``batch``, copied out of a dropped pipeline's buffers."""
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
-    dali = _dali(loader)
+    dali = _dali(loader.epoch_ledger)
     if dali is None:
         return batch
     batch = copy.deepcopy(batch)
@@ -196,10 +326,11 @@ def _stop_loading(loader, iterator, batch):
     return batch
 
 
-def _dali(loader):
-    """The loader's DALI backend, where DALI prepares its batches on their own (no hp_group), else None."""
+def _dali(ledger):
+    """The DALI backend of a loader (its ``epoch_ledger``), where DALI prepares its batches on their own (no
+    hp_group), else None."""
     from coordl.dali_pipeline import DaliFeed
-    feed = loader.epoch_ledger.feed
+    feed = ledger.feed
     return feed.backend if isinstance(feed, DaliFeed) else None
 
 
@@ -243,7 +374,7 @@ def measure_rates(loader, samples: int) -> dict:
     """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
     (see the module's docstring)."""
     batch_size = _measured[0].batch_size
-    dataset, dali = loader.dataset, _dali(loader)
+    dataset, dali = loader.dataset, _dali(loader.epoch_ledger)
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
     ranks, rank = _local_world(), int(os.environ.get("LOCAL_RANK", 0))
     cores = max(1, len(os.sched_getaffinity(0)) // ranks)  # this rank's share
@@ -295,9 +426,10 @@ def measure_rates(loader, samples: int) -> dict:
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
         result["P_from"], indices, held = "memory", subset, _Held(source, subset, datas)
     if dali is None:
-        result["P"] = _prep_rate(loader, torch.utils.data.Subset(held, indices), batch_size)
+        rate, cpu_s = _prep_rate(loader, torch.utils.data.Subset(held, indices), batch_size)
     else:
-        result["P"] = _dali_prep_rate(dali, held, indices, batch_size)
+        rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
+    result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
     return result
 
 
@@ -319,37 +451,51 @@ class _Held(torch.utils.data.Dataset):
         return [self.raws[i] for i in indices]
 
 
-def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> float:
-    """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage)."""
+def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> tuple[float, float]:
+    """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage), and the CPU
+    seconds they take per pass (the workers', or the training process's where it prepares)."""
     prep = torch.utils.data.DataLoader(
         samples, batch_size=batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
         persistent_workers=loader.num_workers > 0, multiprocessing_context=loader.multiprocessing_context,
         worker_init_fn=loader.worker_init_fn)
-    return _passes_per_s(lambda: [None for _ in prep]) * len(samples)
+    cpu_s = (lambda: sum(map(_cpu_s, (w.pid for w in prep._iterator._workers)))) if loader.num_workers else \
+        time.process_time
+    passes_per_s, cpu_per_pass = _passes_per_s(lambda: [None for _ in prep], cpu_s)
+    return passes_per_s * len(samples), cpu_per_pass
 
 
-def _dali_prep_rate(backend, held, indices: list[int], batch_size: int) -> float:
+def _dali_prep_rate(backend, held, indices: list[int], batch_size: int) -> tuple[float, float]:
     """Samples/s of a pipeline with ``backend``'s settings preparing ``indices`` of ``held`` (the loader's
-    dataset: through its cache; or bytes held in memory), fed as the loader feeds its own."""
+    dataset: through its cache; or bytes held in memory), fed as the loader feeds its own; and the CPU
+    seconds of this process (DALI's threads are in it) per pass."""
     twin = backend.twin()
     twin.cached = held
     batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
     seeds = itertools.count()
     try:
-        return _passes_per_s(lambda: [None for _ in twin.epoch(batches, next(seeds))]) * len(indices)
+        passes_per_s, cpu_per_pass = _passes_per_s(lambda: [None for _ in twin.epoch(batches, next(seeds))],
+                                                   time.process_time)
+        return passes_per_s * len(indices), cpu_per_pass
     finally:
         twin.close()
 
 
-def _passes_per_s(one_pass) -> float:
+def _passes_per_s(one_pass, cpu_s) -> tuple[float, float]:
     """Passes per second of ``one_pass()``, over the passes after a first (which starts the workers or the
-    pipeline): at least 2, and :data:`PREP_MIN_S`."""
+    pipeline): at least 2, and :data:`PREP_MIN_S`; and the CPU seconds (``cpu_s()``: so far) per pass."""
     one_pass()
-    started, passes = time.perf_counter(), 0
+    started, cpu_started, passes = time.perf_counter(), cpu_s(), 0
     while passes < 2 or time.perf_counter() - started < PREP_MIN_S:
         one_pass()
         passes += 1
-    return passes / (time.perf_counter() - started)
+    return passes / (time.perf_counter() - started), (cpu_s() - cpu_started) / passes
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has run (user and system, ``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # from the third field on: the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _miss_wait(read, keys: list, size: int, storage_rate: float) -> tuple[float, float | None]:

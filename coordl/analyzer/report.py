@@ -20,6 +20,8 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
                        "fetch_threads": p.fetch_threads},
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
             "miss_wait_s": p.L,
+            "cpu_s_per_sample": {"step": p.step_cpu_s, "prep": p.prep_cpu_s},
+            "cpu_samples_per_s": None if math.isinf(p.cpu_rate) else p.cpu_rate,
             "fetch_samples_per_s": p.fetch_rate,
             "worker_samples_per_s": p.worker_rate,
             "predicted_samples_per_s": p.predicted,
@@ -52,6 +54,7 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                          "`coordl analyze` writes one")
     try:
         dataset, config, rates = doc["dataset"], doc["config"], doc["rates"]
+        cpu = doc.get("cpu_s_per_sample", {})
         pipeline = Pipeline(samples=int(dataset["samples"]), sample_bytes=dataset["bytes"] / dataset["samples"],
                             G=rates["G"], P=rates["P"], S=rates["S"], C=rates["C"], R=rates.get("R"),
                             L=float(doc.get("miss_wait_s", 0.0)),
@@ -59,10 +62,11 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             workers=int(config["workers"]), cores=int(config["cores"]),
                             servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
                             coordinated=bool(config.get("coordinated", False)), ranks=int(config.get("ranks", 1)),
-                            fetch_threads=int(config.get("fetch_threads", 0)))
+                            fetch_threads=int(config.get("fetch_threads", 0)),
+                            step_cpu_s=float(cpu.get("step", 0.0)), prep_cpu_s=float(cpu.get("prep", 0.0)))
     except KeyError as e:
         raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
-    except (TypeError, ZeroDivisionError, ValueError) as e:
+    except (AttributeError, TypeError, ZeroDivisionError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
     return pipeline, doc.get("measured_samples_per_s")
 
@@ -93,6 +97,9 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
     if p.R is not None:
         lines.append(f"  R peers         {_rate(p.R, p.sample_bytes)}")
     lines += [f"  F fetch         {_rate(p.fetch_rate, p.sample_bytes)}"]
+    if not math.isinf(p.cpu_rate):
+        lines.append(f"  CPU             {_rate(p.cpu_rate, p.sample_bytes)}  ({p.cores} cores; per sample "
+                     f"{p.step_cpu_s * 1e3:.2f} ms training process, {p.prep_cpu_s * 1e3:.2f} ms prep)")
     if p.L > 0 and not p.fetch_threads:
         lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.L * 1e3:.2f} ms "
                      "waited per miss)")
@@ -102,7 +109,10 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
         expected = p.with_changes(cache_fraction=hits).predicted
         lines.append(f"  measured        {_rate(measured, p.sample_bytes)}  (with {hits:.0%} cache hits; "
                      f"predicted {expected:.1f}, {(expected - measured) / measured:+.1%})")
-    lines.append(f"bottleneck: {BOTTLENECKS[p.bottleneck]}")
+    cores_bound = p.bottleneck == "prep" and p.workers and p.worker_rate >= p.cpu_rate
+    lines.append(f"bottleneck: {BOTTLENECKS[p.bottleneck]}" + (
+        f": the {p.cores} cores, which the training process shares with prep, so more workers do not help"
+        if cores_bound else ""))
     stall = p.stalls(measured)
     lines.append(f"per epoch: {stall['ideal_s']:.1f} s training, {stall['prep_s']:.1f} s prep stall, "
                  f"{stall['fetch_s']:.1f} s fetch stall")

@@ -150,13 +150,14 @@ def _ranks_done(result_path: str) -> bool:
 
 def _combine(ranks: list[dict]) -> dict:
     """A torchrun job's result from its ranks' (rates per rank): the slowest rank's rates, as the job goes
-    at its pace, and the longest miss wait; each rank's own under ``ranks``."""
+    at its pace, and the longest miss wait and most CPU per sample; each rank's own under ``ranks``."""
     out = dict(ranks[0])
     for key in ("samples_per_s", "S", "C", "P"):
         if key in out:
             out[key] = min(r[key] for r in ranks)
-    if "L" in out:
-        out["L"] = max(r["L"] for r in ranks)
+    for key in ("L", "loop_cpu_s", "prep_cpu_s"):
+        if key in out:
+            out[key] = max(r[key] for r in ranks)
     if "hit_fraction" in out:
         out["hit_fraction"] = sum(r["hit_fraction"] for r in ranks) / len(ranks)
     out["ranks"] = ranks
@@ -198,7 +199,8 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
                         S=rates["S"], C=rates["C"], L=rates["L"], workers=rates["workers"], cores=rates["cores"],
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes),
-                        fetch_threads=rates["fetch_threads"], ranks=rates["local_world_size"])
+                        fetch_threads=rates["fetch_threads"], ranks=rates["local_world_size"],
+                        step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"])
     return pipeline, {"results": results, "flags": flags}
 
 

@@ -42,6 +42,9 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert 0 <= doc["measured_hit_fraction"] <= 1
     assert doc["phases"]["ingestion"]["iters"] == 20 and doc["phases"]["rates"]["subset"] == 96
     assert doc["phases"]["rates"]["S_passes"] >= 2  # 96 small files read in far less than phases.STORAGE_MIN_S
+    cpu = doc["cpu_s_per_sample"]  # a worker decoding on a core, at most its wall time per sample
+    assert 0 < cpu["prep"] <= 1.5 / doc["rates"]["P"] and 0 < cpu["step"] < step_s / BATCH
+    assert doc["cpu_samples_per_s"] == pytest.approx(doc["config"]["cores"] / (cpu["step"] + cpu["prep"]))
     assert "bottleneck:" in proc.stdout and "what if:" in proc.stdout and "[3/3]" in proc.stdout
     for phase in ("ingestion", "rates", "run"):
         assert (tmp_path / f"phase-{phase}.log").exists() and (tmp_path / f"phase-{phase}.json").exists()
@@ -49,6 +52,21 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     again = subprocess.run([sys.executable, "-m", "coordl.cli", "whatif", str(tmp_path / "analysis.json"), "--workers",
                             "2"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "with the changes:" in again.stdout
+
+
+@pytest.mark.parametrize("rebuilt", ["torch", "accelerate"])
+def test_a_loader_a_framework_rebuilds_from_the_parts_is_measured(image_root, tmp_path, rebuilt):
+    """The script iterates a torch DataLoader built from the coordl loader's parts (by hand, or Accelerate's
+    ``prepare``): coordl.DataLoader's own iterator never runs, and every phase is still measured and ended."""
+    step_s = 0.02
+    proc = _analyze(tmp_path, image_root, "--step-s", str(step_s), "--workers", "2", "--rebuilt", rebuilt)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    assert 0.5 * BATCH / step_s < doc["rates"]["G"] <= BATCH / step_s
+    assert all(doc["rates"][k] > 0 for k in "PSC") and doc["phases"]["rates"]["workers"] == 2
+    assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
+    assert doc["phases"]["ingestion"]["iters"] == doc["phases"]["run"]["iters"] == 20
+    assert not list(tmp_path.glob("*.claimed"))
 
 
 def test_a_failing_script_is_reported_with_its_last_lines(image_root, tmp_path):
@@ -162,17 +180,22 @@ def test_a_dataset_coordl_cannot_read_raw_is_named_in_the_first_phase(tmp_path, 
     loader.close()
 
 
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["own", "rebuilt"])
 def test_the_ingestion_phase_drops_the_dali_pipeline_and_replays_a_copy_of_its_first_batch(image_root, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, rebuilt):
+    """Iterated by coordl.DataLoader, or by a torch DataLoader built from its parts."""
     _in_phase(monkeypatch, tmp_path, "ingestion")
     loader = coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), batch_size=4, shuffle=True,
                                backend="dali", cache_bytes=0)
     backend = loader.epoch_ledger.feed.backend
+    iterated = torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
+                                           collate_fn=loader.collate_fn) if rebuilt else loader
     batches = []
     with pytest.raises(SystemExit):
-        for images, _ in loader:
+        for images, _ in iterated:
             batches.append(images)
             assert backend._pipe is None  # nothing loads while the loop runs
+    del iterated
     loader.close()
     assert len(batches) == 8 and all(torch.equal(b, batches[0]) for b in batches)
     assert json.load(open(tmp_path / "result.json"))["iters"] == 6
@@ -198,3 +221,30 @@ def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root
     assert len(batches) == 8 and all(torch.equal(b, batches[0]) for b in batches)
     assert len({b.data_ptr() for b in batches}) == (8 if workers else 1)
     assert json.load(open(tmp_path / "result.json"))["iters"] == 6
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_ingestion_phase_of_a_rebuilt_loader_hands_out_each_processs_first_batch_again(
+        image_root, tmp_path, monkeypatch, workers):
+    """A torch DataLoader built from the coordl loader's parts: each process (the training process, or each
+    worker) loads its first batch and hands that out again, nothing more is fetched or prepared; the window
+    counts the batches torch draws past the ``workers x prefetch_factor`` it draws ahead."""
+    _in_phase(monkeypatch, tmp_path, "ingestion")
+    dataset = torchvision.datasets.ImageFolder(image_root, transform=transforms.Compose(
+        [transforms.RandomResizedCrop(16, antialias=True), transforms.ToTensor()]))
+    loader = coordl.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers, cache_bytes=0)
+    rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
+                                          collate_fn=loader.collate_fn, num_workers=workers)
+    batches = []
+    with pytest.raises(SystemExit):
+        for images, _ in rebuilt:
+            batches.append(images)
+    window = phases._measured[0]
+    assert window.ahead == 2 * workers and window.taken == window.ahead + 2 + 6
+    loaded = loader.dataset.counters.totals()["samples"]
+    assert loaded == 4 * max(workers, 1)  # each process's first batch, nothing after it
+    distinct = {bytes(b.numpy()) for b in batches}
+    assert len(batches) >= 2 + 6 and len(distinct) == max(workers, 1)
+    assert json.load(open(tmp_path / "result.json"))["iters"] == 6
+    del rebuilt
+    loader.close()

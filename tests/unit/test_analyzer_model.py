@@ -116,14 +116,34 @@ def test_storage_servers_and_jobs():
     assert together.predicted == pytest.approx(p.predicted)
 
 
-@pytest.mark.parametrize("field, value", [("G", 0.0), ("S", -1.0), ("cache_fraction", 1.5), ("cores", 0)])
+def test_the_cores_bound_the_step_and_prep_together_whatever_the_workers():
+    """8 cores; per sample 2 ms of the training process's CPU and 10 ms of prep's: 8 / 12 ms = 667 samples/s,
+    below G (900) and the 4 workers' P (600 → with 8 workers, 1200)."""
+    p = Pipeline(**{**BASE, "cache_fraction": 1.0, "step_cpu_s": 0.002, "prep_cpu_s": 0.010})
+    assert p.cpu_rate == pytest.approx(8 / 0.012)
+    assert p.worker_rate == pytest.approx(600.0) and p.predicted == pytest.approx(600.0)  # P binds first
+    more = p.with_changes(workers=8)
+    assert more.P == pytest.approx(1200.0) and more.predicted == pytest.approx(8 / 0.012)  # now the cores do
+    assert more.bottleneck == "prep" and p.workers_knee() is None  # no worker count reaches G
+    assert "the 8 cores, which the training process shares with prep" in analyzer.describe(more)
+    stall = more.stalls()
+    assert stall["prep_s"] == pytest.approx(p.samples / more.cpu_rate - p.samples / p.G)
+    assert p.with_changes(jobs=2).cpu_rate == pytest.approx(8 / (2 * 0.012))  # each job's step and prep
+    assert p.with_changes(jobs=2, coordinated=True).cpu_rate == pytest.approx(8 / (2 * 0.002 + 0.010))
+    assert Pipeline(**BASE).cpu_rate == float("inf")  # not measured: no bound
+    dali = Pipeline(**{**BASE, "cache_fraction": 1.0, "P": 5000.0, "fetch_threads": 4, "prep_cpu_s": 0.010})
+    assert dali.predicted == pytest.approx(800.0)  # DALI's threads and the training process share the cores too
+
+
+@pytest.mark.parametrize("field, value", [("G", 0.0), ("S", -1.0), ("cache_fraction", 1.5), ("cores", 0),
+                                          ("prep_cpu_s", -0.1)])
 def test_a_wrong_rate_or_setting_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         Pipeline(**{**BASE, field: value})
 
 
 def test_an_analysis_round_trips_through_its_json(tmp_path):
-    p = Pipeline(**{**BASE, "R": 2000.0, "L": 0.001, "fetch_threads": 3})
+    p = Pipeline(**{**BASE, "R": 2000.0, "L": 0.001, "fetch_threads": 3, "step_cpu_s": 0.001, "prep_cpu_s": 0.004})
     path = str(tmp_path / "analysis.json")
     analyzer.save(path, p, measured=205.0)
     doc = json.load(open(path))
