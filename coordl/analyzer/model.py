@@ -7,9 +7,11 @@ reads ``D·x`` samples from the cache at rate ``C`` and ``D·(1−x)`` from stor
 
     F(x) = D / (D·x/C + D·(1−x)/S)
 
-(MinIO: a cache of x items gives at least x hits per epoch). With partitioned caching over ``N`` servers
-whose caches each hold ``x``, a rank's epoch takes ``x`` from its own cache, ``min(1, N·x) − x`` from
-peers at rate ``R`` and the rest from storage. Per epoch, the time lost to prep is what ``min(P, G)``
+(MinIO: a cache of x items gives at least x hits per epoch). That is one fetcher taking hits and misses in
+turn; with several (two or more workers, or DALI's fetch threads) the cache serves some while storage
+serves others, so each is busy for its own share and ``F(x) = D / max(D·x/C, D·(1−x)/S)``. With
+partitioned caching over ``N`` servers whose caches each hold ``x``, a rank's epoch takes ``x`` from its
+own cache, ``min(1, N·x) − x`` from peers at rate ``R`` and the rest from storage. Per epoch, the time lost to prep is what ``min(P, G)``
 costs beyond ``G``, and the time lost to fetching is what the throughput costs beyond ``min(P, G)``.
 
 A torch worker fetches its batch's misses before it prepares them, so it also waits ``L`` per miss (one
@@ -98,12 +100,14 @@ class Pipeline:
 
     @property
     def fetch_rate(self) -> float:
-        """F: samples/s one job's loader fetches (each of ``jobs`` uncoordinated jobs reads every sample)."""
+        """F: samples/s one job's loader fetches (each of ``jobs`` uncoordinated jobs reads every sample);
+        several fetchers keep the cache, the peers and storage busy at once."""
         local = self.cache_fraction
         aggregate = min(1.0, self.servers * local)
-        seconds = local / self.C + (1.0 - aggregate) / self.S  # per sample of an epoch
+        busy = [local / self.C, (1.0 - aggregate) / self.S]  # seconds per sample of an epoch, by source
         if aggregate > local:
-            seconds += (aggregate - local) / self.R
+            busy.append((aggregate - local) / self.R)
+        seconds = max(busy) if max(self.workers, self.fetch_threads) > 1 else sum(busy)  # in parallel, or in turn
         rate = math.inf if seconds == 0 else 1.0 / seconds
         if self.fetch_threads and aggregate < 1.0 and self.L > 0:  # each thread waits L per miss
             rate = min(rate, self.fetch_threads / ((1.0 - aggregate) * self.L))

@@ -13,12 +13,15 @@ BASE = dict(samples=10_000, sample_bytes=100_000.0, G=900.0, P=600.0, S=150.0, C
             workers=4, cores=8)
 
 
-def test_the_fetch_rate_is_the_papers_equation_4():
-    p = Pipeline(**BASE)
+@pytest.mark.parametrize("fetchers", [dict(workers=1), dict(workers=0), dict(workers=4), dict(workers=1, fetch_threads=2)])
+def test_the_fetch_rate_is_the_papers_equation_4_for_one_fetcher_and_the_busiest_source_for_several(fetchers):
+    p = Pipeline(**{**BASE, **fetchers})
     d, x = p.samples, p.cache_fraction
-    assert p.fetch_rate == pytest.approx(d / (d * x / p.C + d * (1 - x) / p.S))
-    assert Pipeline(**{**BASE, "cache_fraction": 0.0}).fetch_rate == pytest.approx(p.S)
-    assert Pipeline(**{**BASE, "cache_fraction": 1.0}).fetch_rate == pytest.approx(p.C)
+    several = max(p.workers, p.fetch_threads) > 1  # the cache and storage serve different fetchers at once
+    expected = d / max(d * x / p.C, d * (1 - x) / p.S) if several else d / (d * x / p.C + d * (1 - x) / p.S)
+    assert p.fetch_rate == pytest.approx(expected)
+    assert Pipeline(**{**BASE, **fetchers, "cache_fraction": 0.0}).fetch_rate == pytest.approx(p.S)
+    assert Pipeline(**{**BASE, **fetchers, "cache_fraction": 1.0}).fetch_rate == pytest.approx(p.C)
 
 
 @pytest.mark.parametrize("x, bottleneck", [(0.0, "fetch"), (0.5, "fetch"), (0.9, "prep")])
@@ -108,9 +111,11 @@ def test_storage_servers_and_jobs():
     assert p.with_changes(storage_factor=2.0).S == 2 * p.S
     with pytest.raises(ValueError, match="peer fetch rate R"):
         p.with_changes(servers=2)
-    peers = p.with_changes(R=2000.0, servers=2)  # 30% here, 30% from the peer, 40% from storage
-    assert peers.fetch_rate == pytest.approx(1 / (0.3 / p.C + 0.3 / 2000.0 + 0.4 / p.S))
-    assert p.with_changes(R=2000.0, servers=4).fetch_rate == pytest.approx(1 / (0.3 / p.C + 0.7 / 2000.0))
+    peers = p.with_changes(R=2000.0, servers=2)  # 30% here, 30% from the peer, 40% from storage, at once
+    assert peers.fetch_rate == pytest.approx(1 / max(0.3 / p.C, 0.3 / 2000.0, 0.4 / p.S))
+    assert p.with_changes(R=2000.0, servers=4).fetch_rate == pytest.approx(1 / max(0.3 / p.C, 0.7 / 2000.0))
+    one = p.with_changes(workers=1, R=2000.0, servers=2)  # one fetcher: in turn
+    assert one.fetch_rate == pytest.approx(1 / (0.3 / p.C + 0.3 / 2000.0 + 0.4 / p.S))
     separate, together = p.with_changes(jobs=4), p.with_changes(jobs=4, coordinated=True)
     assert separate.predicted == pytest.approx(p.predicted / 4)  # each job fetches and preps everything
     assert together.predicted == pytest.approx(p.predicted)
