@@ -11,8 +11,9 @@ reads ``D·x`` samples from the cache at rate ``C`` and ``D·(1−x)`` from stor
 turn; with several (two or more workers, or DALI's fetch threads) the cache serves some while storage
 serves others, so each is busy for its own share and ``F(x) = D / max(D·x/C, D·(1−x)/S)``. With
 partitioned caching over ``N`` servers whose caches each hold ``x``, a rank's epoch takes ``x`` from its
-own cache, ``min(1, N·x) − x`` from peers at rate ``R`` and the rest from storage. Per epoch, the time lost to prep is what ``min(P, G)``
-costs beyond ``G``, and the time lost to fetching is what the throughput costs beyond ``min(P, G)``.
+own cache, ``min(1, N·x) − x`` from peers at rate ``R`` and the rest from storage. Per epoch, the time
+lost to prep is what ``min(P, G)`` costs beyond ``G``, and the time lost to fetching is what the throughput
+costs beyond ``min(P, G)``.
 
 A torch worker fetches its batch's misses before it prepares them, so it also waits ``L`` per miss (one
 cold read while the storage is not saturated), and the other workers' prep overlaps its wait: the
@@ -147,9 +148,19 @@ class Pipeline:
 
     @property
     def bottleneck(self) -> str:
-        """The least rate: ``"fetch"``, ``"prep"`` (the workers) or ``"ingestion"`` (no data stall)."""
+        """The least rate: ``"fetch"``, ``"prep"`` (the workers) or ``"ingestion"`` (no data stall). Workers
+        that spend longer waiting for their misses than preparing are held by fetching."""
         rates = {"ingestion": self.G, "prep": self.worker_rate, "fetch": self.fetch_rate}
-        return min(rates, key=lambda k: (rates[k], list(rates).index(k)))  # a tie: the stage nearest the step
+        least = min(rates, key=lambda k: (rates[k], list(rates).index(k)))  # a tie: the stage nearest the step
+        return "fetch" if least == "prep" and self._waits_more_than_prep() else least
+
+    def _waits_more_than_prep(self) -> bool:
+        """Whether each worker waits longer per sample for its misses than it takes preparing (W is then
+        below P by its waits, not held by the cores)."""
+        if not self.workers or self.fetch_threads or self.worker_rate >= self.cpu_rate:
+            return False
+        misses = 1.0 - min(1.0, self.servers * self.cache_fraction)
+        return misses * self.L > _processes(self.workers, self.cores) / self.P
 
     def stalls(self, samples_per_s: float | None = None) -> dict:
         """Seconds per epoch: the training step alone (``ideal_s``), lost to prep and lost to fetching, at

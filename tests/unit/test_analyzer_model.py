@@ -13,7 +13,8 @@ BASE = dict(samples=10_000, sample_bytes=100_000.0, G=900.0, P=600.0, S=150.0, C
             workers=4, cores=8)
 
 
-@pytest.mark.parametrize("fetchers", [dict(workers=1), dict(workers=0), dict(workers=4), dict(workers=1, fetch_threads=2)])
+@pytest.mark.parametrize("fetchers", [dict(workers=1), dict(workers=0), dict(workers=4),
+                                      dict(workers=1, fetch_threads=2)])
 def test_the_fetch_rate_is_the_papers_equation_4_for_one_fetcher_and_the_busiest_source_for_several(fetchers):
     p = Pipeline(**{**BASE, **fetchers})
     d, x = p.samples, p.cache_fraction
@@ -85,6 +86,17 @@ def test_a_worker_waits_for_its_misses_before_it_prepares_them():
     assert dataclasses.replace(p, G=1500.0, L=0.0).workers_knee() == 5  # without: 1500 / 300 per process
     with pytest.raises(ValueError, match="L should"):
         Pipeline(**{**BASE, "L": -1.0})
+
+
+def test_workers_that_wait_longer_for_their_misses_than_they_prepare_are_held_by_fetching():
+    """One worker, no cache: 0.5 ms of prep and 4 ms of waiting per sample, so W = 1 / 4.5 ms = 222, below
+    S (300) and G: the workers' rate binds, and the stall is fetching's. With 1/600 s of prep and 1 ms of
+    waiting, prep holds them."""
+    p = Pipeline(**{**BASE, "workers": 1, "cache_fraction": 0.0, "P": 2000.0, "S": 300.0, "L": 0.004})
+    assert p.worker_rate == pytest.approx(1 / 0.0045) and p.predicted == p.worker_rate
+    assert p.bottleneck == "fetch"
+    assert p.stalls()["prep_s"] == 0 and p.stalls()["fetch_s"] > 0
+    assert Pipeline(**{**BASE, "workers": 1, "cache_fraction": 0.0, "S": 1000.0, "L": 0.001}).bottleneck == "prep"
 
 
 def test_dali_fetches_ahead_so_its_threads_waits_bound_fetching_not_prep():
