@@ -18,9 +18,10 @@ costs beyond ``min(P, G)``.
 A torch worker fetches its batch's misses before it prepares them, so it also waits ``L`` per miss (one
 cold read while the storage is not saturated), and the other workers' prep overlaps its wait: the
 workers deliver ``W = min(P, workers / (processes/P + misses·L))``, and the prediction is
-``min(F, W, G)``. With the DALI backend, ``fetch_threads`` threads fetch batches ahead of DALI's prep
-threads, so prep never waits (``W = P``) and the fetch threads' own waits bound fetching instead:
-``F = min(F, fetch_threads / (misses·L))``.
+``min(F, W, G)``; workers that wait longer than they prepare are held by fetching. With the DALI
+backend, ``fetch_threads`` threads fetch batches ahead of DALI's prep threads, so prep never waits
+(``W = P``) and the fetch threads' own waits bound fetching instead: ``F = min(F, fetch_threads /
+(misses·L))``.
 
 The training process and prep share the cores: with ``step_cpu_s`` and ``prep_cpu_s`` seconds of CPU per
 sample (the training process's in the ingestion phase; prep's while ``P`` is measured), no more than

@@ -11,19 +11,17 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
   of the dataset's raw bytes, no prep, on as many threads as cores, in passes over it for at least
   :data:`STORAGE_MIN_S`; each file is dropped from the page cache before each pass, and the process's
-  block-device reads say whether the reads really were cold), ``C``
+  block-device reads say whether the reads really were cold), ``L``
+  (what one reader waits per cold read while the storage is not saturated: once the storage has rested
+  :data:`STORAGE_REST_S` from S's reads, reads one at a time, paced at half of ``S``; a worker waits this
+  for each miss of its batch before preparing it), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
   paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
   nothing else running, over at least 2 passes and 5 s after a first that starts the workers; and the
   CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
   ``backend='dali'``, P is the loader's DALI pipeline (a second one with the same settings) preparing
-  those items, and the result says how many threads fetch ahead of it (``fetch_threads``). Then ``L``,
-  what a worker waits per miss of its batch before it prepares the batch, read as the job's workers
-  read: as many readers as workers at once, each reading a batch's misses in a row (``batch_size``
-  times the fraction the cache cannot hold) and then pausing for as long as it takes to prepare a
-  batch (from ``P``); DALI's fetch threads read ahead without pausing. A device with burst credit (a
-  throttle, a cloud volume) serves a worker's misses faster after its pause, as it does in the job.
+  those items, and the result says how many threads fetch ahead of it (``fetch_threads``).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
 
@@ -75,6 +73,8 @@ LATENCY_READS = 64
 """Cold reads ``L`` is the mean of (at most; the subset's first)."""
 STORAGE_MIN_S = 3.0
 """The least time S is measured over (passes over the subset, each cold)."""
+STORAGE_REST_S = 1.0
+"""Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
 _own_pass = []  # set while coordl.DataLoader's own iterator starts a pass (observe_pass leaves it alone)
 
@@ -400,6 +400,8 @@ def measure_rates(loader, samples: int) -> dict:
               "fetch_threads": 0 if dali is None else dali.fetch_threads,
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
               "cold_fraction": _cold_fraction(device_before, passes * sum(sizes))}
+    probe = keys[:LATENCY_READS]
+    result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s)
     datas = [r[0] if stamped else r for r in raws]
     cached = []
     if cache is not None:
@@ -428,14 +430,6 @@ def measure_rates(loader, samples: int) -> dict:
     else:
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
-    readers = max(1, loader.num_workers if dali is None else dali.fetch_threads)
-    held_fraction = min(1.0, result["cache_bytes"] / (len(dataset) * result["sample_bytes"]))
-    burst = max(1, round(batch_size * (1.0 - held_fraction)))  # a batch's misses
-    pause_s = 0.0 if dali is not None else batch_size * min(readers, cores) / rate  # a worker's prep of a batch
-    probe = keys[:LATENCY_READS]
-    result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), readers, burst,
-                                                        pause_s)
-    result["L_pattern"] = {"readers": readers, "burst": burst, "pause_s": pause_s}
     return result
 
 
@@ -504,26 +498,19 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _miss_wait(read, keys: list, size: int, readers: int, burst: int, pause_s: float) -> tuple[float, float | None]:
-    """Mean seconds a reader waits for one cold read of ``keys`` (``size`` bytes in all) when ``readers`` read
-    at once, each ``burst`` reads in a row and then a pause of ``pause_s``; and the fraction of those bytes
-    a block device served."""
+def _miss_wait(read, keys: list, size: int, storage_rate: float) -> tuple[float, float | None]:
+    """Mean seconds one reader waits for a cold read of one of ``keys`` (``size`` bytes in all), read one
+    at a time, after :data:`STORAGE_REST_S` of rest, and paced at half of ``storage_rate`` samples/s so
+    that the storage is never saturated; and the fraction of those bytes a block device served."""
     for key in keys:
         _evict(key)
-
-    def reads(share: list) -> list[float]:
-        waits = []
-        for start in range(0, len(share), burst):
-            for key in share[start:start + burst]:
-                started = time.perf_counter()
-                read(key)
-                waits.append(time.perf_counter() - started)
-            time.sleep(pause_s)
-        return waits
-
-    before = _device_read_bytes()
-    with concurrent.futures.ThreadPoolExecutor(readers) as pool:
-        waits = [w for share in pool.map(reads, [keys[r::readers] for r in range(readers)]) for w in share]
+    time.sleep(STORAGE_REST_S)
+    before, waits = _device_read_bytes(), []
+    for key in keys:
+        started = time.perf_counter()
+        read(key)
+        waits.append(time.perf_counter() - started)
+        time.sleep(max(0.0, 2.0 / storage_rate - waits[-1]))
     return sum(waits) / len(waits), _cold_fraction(before, size)
 
 
