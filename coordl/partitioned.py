@@ -632,8 +632,9 @@ class PeerTier:
 
     def close(self) -> None:
         """Close this process's connections; in the training process, say that this rank is done, and, where
-        this rank runs the node's peer server, keep serving until every rank of the other live servers is done
-        too (at most ``CLOSE_WAIT_S``), then stop it."""
+        this rank runs the node's peer server, keep serving until every rank of the other servers is done too
+        (at most ``CLOSE_WAIT_S``; a server missing from the last map exchange is waited for only while its
+        peer server answers), then stop it."""
         if self._hand_off is not None and self._hand_off[0] == os.getpid():
             self._hand_off[1].close()
             self._hand_off = None
@@ -648,9 +649,9 @@ class PeerTier:
             return
         self._store = None
         store.set(f"closed/{t.node}/{t.local_rank}", "1")
-        if self._server is not None:
+        if self._server is not None:  # a server whose own peer server is gone may still be loading from ours
             others = [f"closed/{node}/{r}" for node in range(t.nodes) for r in range(t.local_world)
-                      if node != t.node and self._reachable(node)]
+                      if node != t.node and (node not in self._absent or self._reachable(node))]
             try:
                 store.wait(others, datetime.timedelta(seconds=CLOSE_WAIT_S))
             except Exception as e:  # DistStoreError on a timeout
