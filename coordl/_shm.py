@@ -50,6 +50,7 @@ import weakref
 from collections.abc import Callable
 
 from coordl._constants import SHM_DIR_ENV, SHM_PREFIX
+from coordl._sysinfo import proc_stat
 
 logger = logging.getLogger(__name__)
 
@@ -176,11 +177,10 @@ def describe_holder(buf) -> str:
 
 def _process_state(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
+        state = proc_stat(pid)[0]
     except (OSError, IndexError):
         return ""  # gone, or in another PID namespace
-    return {b"T": "stopped", b"t": "stopped by a debugger", b"D": "in uninterruptible I/O"}.get(state, "")
+    return {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}.get(state, "")
 
 
 class _DirLock:

@@ -1,6 +1,13 @@
-"""Facts about this machine: available memory, bounded by this process's cgroup."""
+"""Facts about this machine: available memory, bounded by this process's cgroup; a process's state."""
 
 import os
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` from the third (the state) on: the name before them may hold spaces.
+    Raises ``OSError`` for a process that is gone (or in another PID namespace)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
 
 
 def _cgroup_memory_headroom() -> int | None:

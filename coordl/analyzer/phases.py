@@ -55,6 +55,7 @@ import time
 
 import torch
 
+from coordl._sysinfo import proc_stat
 from coordl.cached_dataset import CachedDataset, SampleCounters
 
 PHASE_ENV = "COORDL_ANALYZE_PHASE"
@@ -493,8 +494,7 @@ def _passes_per_s(one_pass, cpu_s) -> tuple[float, float]:
 
 def _cpu_s(pid: int) -> float:
     """CPU seconds process ``pid`` has run (user and system, ``/proc/<pid>/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # from the third field on: the name may hold spaces
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -2,9 +2,11 @@
 
 Each phase is a run of the unchanged command with ``COORDL_ANALYZE_PHASE`` set (see ``phases.py``), in a
 process group of its own and a shared-memory directory of its own, both removed when the phase ends:
-nothing it started is left running or in ``/dev/shm``.
+nothing it started is left running or in ``/dev/shm`` (also not a segment torch was making for a tensor
+in a process the end of the phase killed).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -16,6 +18,7 @@ import tempfile
 import time
 
 from coordl._shm import SHM_DIR_ENV, shm_dir
+from coordl._sysinfo import proc_stat
 from coordl.analyzer import phases
 from coordl.analyzer.model import Pipeline
 
@@ -23,6 +26,8 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
                 "rates": "S, C, P: storage, cache and prep, with the training loop idle",
                 "run": "the script as configured"}
 STOP_GRACE_S = 5.0
+TORCH_SHM = "/dev/shm"
+"""Where torch's ``shm_open`` puts the segments that carry tensors between processes."""
 
 
 class PhaseFailed(RuntimeError):
@@ -115,8 +120,11 @@ def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, 
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """End whatever the phase started (its workers, a peer server, torchrun's ranks): SIGTERM, then SIGKILL."""
+    """End whatever the phase started (its workers, a peer server, torchrun's ranks): SIGTERM, then SIGKILL;
+    then remove the segments torch left in ``/dev/shm`` for a process of the group killed as it made one."""
+    stopped = {proc.pid}
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+        stopped |= _members(proc.pid)
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -131,6 +139,23 @@ def _stop_group(proc: subprocess.Popen) -> None:
             time.sleep(0.05)
     if proc.poll() is None:
         proc.wait()
+    for pid in stopped:  # torch names a tensor's segment torch_<pid>_..., unlinked once mapped: one left is a leak
+        for path in glob.glob(os.path.join(TORCH_SHM, f"torch_{pid}_*")):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _members(group: int) -> set[int]:
+    """The processes of process group ``group`` now (``/proc/<pid>/stat``)."""
+    pids = set()
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        pid = int(stat.split("/")[2])
+        try:
+            if int(proc_stat(pid)[2]) == group:
+                pids.add(pid)
+        except OSError:  # gone meanwhile
+            continue
+    return pids
 
 
 def _rank_results(result_path: str) -> list[dict]:

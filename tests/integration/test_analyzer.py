@@ -13,7 +13,7 @@ import torchvision
 from torchvision import transforms
 
 import coordl
-from coordl.analyzer import phases
+from coordl.analyzer import phases, runner
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_analyze_job.py")
 BATCH = 8
@@ -248,3 +248,23 @@ def test_the_ingestion_phase_of_a_rebuilt_loader_hands_out_each_processs_first_b
     assert json.load(open(tmp_path / "result.json"))["iters"] == 6
     del rebuilt
     loader.close()
+
+
+_DIES_MAKING_A_SEGMENT = """
+import os, sys, time
+if os.fork() == 0:  # a worker of the phase: killed as torch has just made a tensor's segment, before unlinking it
+    open(f"/dev/shm/torch_{os.getpid()}_analyze-test_0", "wb").close()
+    open(sys.argv[1], "w").close()
+    time.sleep(600)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+"""
+
+
+def test_a_segment_torch_left_for_a_process_the_phase_end_killed_is_removed(tmp_path):
+    made = tmp_path / "made"
+    with pytest.raises(runner.PhaseFailed, match="without iterating a coordl.DataLoader"):
+        runner.run_phase([sys.executable, "-c", _DIES_MAKING_A_SEGMENT, str(made)], "ingestion", str(tmp_path),
+                         iters=1, warmup=0, timeout_s=60, say=lambda _: None)
+    assert made.exists()
+    assert not [p for p in os.listdir("/dev/shm") if p.endswith("_analyze-test_0")]
