@@ -27,6 +27,8 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
 
 A timed window also says the training process's CPU seconds per sample over it (``loop_cpu_s``, all its
 threads): in the ingestion phase, what the step and taking its batch cost the cores that prep shares.
+Where the script runs its step on a GPU, both edges of the window wait for the work queued there
+(``torch.cuda.synchronize``): an asynchronous step counts when it is done, not when it is queued.
 
 A framework that iterates a torch DataLoader built from the coordl loader's parts (Accelerate and others:
 its ``dataset``, ``batch_sampler`` and ``collate_fn``) is measured through those parts
@@ -225,10 +227,14 @@ class _Window:
             loader.num_workers else 0
 
     def count(self) -> None:
-        """Before the next batch: end the phase after the window's last; start its clock after the warm-up."""
+        """Before the next batch: end the phase after the window's last; start its clock after the warm-up.
+        At both edges the GPU's queued work is waited for, so the window holds its batches' steps and no
+        earlier one's."""
         if self.taken == self.ahead + self.warmup + self.iters:
+            _drain_gpu()
             _finish(self.result())
         if self.taken == self.ahead + self.warmup:
+            _drain_gpu()
             self.started, self.hits_before = time.perf_counter(), _hits(self.loader)
             self.cpu_started = time.process_time()  # the training process's, all its threads
 
@@ -241,6 +247,13 @@ class _Window:
             hits, fetched = _hits(self.loader)
             out["hit_fraction"] = (hits - self.hits_before[0]) / max(1, fetched - self.hits_before[1])
         return out
+
+
+def _drain_gpu() -> None:
+    """Wait for the work this process has queued on its GPU, if it uses one (a CUDA step runs ahead of the
+    loop's clock)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class _Timed:

@@ -1,0 +1,348 @@
+"""Training-time data stalls on a GPU: a ResNet-18 step fed by torch's DataLoader, coordl and DALI.
+
+    python -m benchmarks.gpu_stall [--images 4096] [--epochs 3] [--trials 3] [--workers N] [--out DIR]
+
+Over one folder of ImageNet-sized JPEGs that fits both the cache and the page cache (the case where
+a loader's prep, not storage, decides the stall), each trial runs, interleaved:
+
+- ``synthetic``: the step alone on a batch already on the GPU: ``G``, the most the step can ingest;
+- ``torch``: torch's DataLoader (ImageFolder; RandomResizedCrop(224), flip, ToTensor, Normalize in
+  ``--workers`` processes; pinned memory), each batch copied to the GPU;
+- ``coordl``: ``coordl.DataLoader`` with the same arguments and a cache of the whole dataset;
+- ``coordl-dali``: coordl's DALI backend, the ``image_classification`` preset decoding on the GPU
+  ("mixed") from the cache, ``--workers`` threads;
+- ``dali``: plain DALI (``fn.readers.file``, whole-dataset shuffle), the same preset on the GPU.
+
+Each system runs ``--epochs`` epochs with the step (``step="resnet18"``, bf16 autocast, channels-last,
+SGD) and the DALI systems also without it (``step="none"``: decoding from the cache against plain
+DALI's reader). Epochs after the first count (the first fills the cache and warms cuDNN and DALI).
+A system's stall is the paper's differential one, ``1 - samples/s / G``, beside the time the loop
+itself waited for batches (``wait_s``). ``results.json`` (every epoch of every trial), ``setup.json``
+(GPU, driver, versions, git SHA, settings) and ``results.md`` (medians with min-max) go to ``--out``.
+
+With ``--analyze``, ``coordl analyze`` also runs on the ``coordl`` and ``coordl-dali`` jobs
+(``python -m benchmarks.gpu_stall job ...``, the same loop) and its prediction is set beside the
+throughput the trials measured.
+"""
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torchvision
+from torchvision import transforms as T
+
+import coordl
+from benchmarks import report
+from coordl.synthetic import make_image_folder
+
+SYSTEMS = ("synthetic", "torch", "coordl", "coordl-dali", "dali")
+DALI_SYSTEMS = ("coordl-dali", "dali")
+NUM_CLASSES = 10
+
+
+def _transform():
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+
+
+def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache_name: str, device: str):
+    """The loader of ``system`` over the ImageFolder ``root``, for a step on ``device`` ("cuda" or "cpu")."""
+    dali_device = "gpu" if device == "cuda" else "cpu"
+    if system == "dali":
+        from coordl.dali_pipeline import file_reader_loader
+        return file_reader_loader(root, order="shuffle", batch_size=batch_size, num_threads=workers,
+                                  device=dali_device)
+    common = dict(batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=device == "cuda",
+                  drop_last=True, persistent_workers=workers > 0)
+    cache = dict(cache_bytes=_folder_bytes(root) + 2**24, cache_name=cache_name)  # the whole dataset
+    if system == "torch":
+        return torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(root, transform=_transform()), **common)
+    if system == "coordl":
+        return coordl.DataLoader(torchvision.datasets.ImageFolder(root, transform=_transform()), **common, **cache)
+    if system == "coordl-dali":
+        return coordl.DataLoader(torchvision.datasets.ImageFolder(root), **common, **cache, backend="dali",
+                                 dali_pipeline="image_classification", dali_device=dali_device)
+    raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
+
+
+def _folder_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(root) for name in names)
+
+
+class Step:
+    """One training step of ResNet-18 on a batch (channels-last, SGD; bf16 autocast on a GPU), or none."""
+
+    def __init__(self, kind: str, device: str):
+        self.kind, self.device = kind, device
+        if kind == "none":
+            return
+        torch.backends.cudnn.benchmark = True
+        self.model = torchvision.models.resnet18(num_classes=NUM_CLASSES).to(device, memory_format=torch.channels_last)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if self.kind == "none":
+            return
+        images = images.to(self.device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+        labels = labels.to(self.device, non_blocking=True).view(-1).long()
+        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.device == "cuda"):
+            loss = self.loss(self.model(images), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+
+
+def _drain(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_epoch(batches, step: Step) -> dict:
+    """One pass: samples, wall time (the GPU's queue drained at both ends) and the loop's waits."""
+    _drain(step.device)
+    started, samples, wait_s = time.perf_counter(), 0, 0.0
+    iterator = iter(batches)
+    while True:
+        asked = time.perf_counter()
+        try:
+            images, labels = next(iterator)[:2]
+        except StopIteration:
+            break
+        wait_s += time.perf_counter() - asked
+        step(images, labels)
+        samples += len(labels)
+    _drain(step.device)
+    return {"samples": samples, "time_s": time.perf_counter() - started, "wait_s": wait_s}
+
+
+def synthetic_batches(batch_size: int, batches: int, device: str):
+    """``batches`` batches of one random batch already on ``device``."""
+    images = torch.randn(batch_size, 3, 224, 224, device=device)
+    labels = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
+    return [(images, labels)] * batches
+
+
+def measure(system: str, step: Step, root: str, args, trial: int) -> list[dict]:
+    """``args.epochs`` epochs of ``system`` feeding ``step``: one row per epoch."""
+    if system == "synthetic":
+        loader = synthetic_batches(args.batch_size, args.images // args.batch_size, args.device)
+    else:
+        loader = build_loader(system, root, workers=args.workers, batch_size=args.batch_size,
+                              cache_name=f"gpu-stall-{os.getpid()}-{system}-{step.kind}-{trial}",
+                              device=args.device)
+    rows = []
+    with loader if hasattr(loader, "__enter__") else contextlib.nullcontext(loader) as batches:
+        for epoch in range(1, args.epochs + 1):
+            row = run_epoch(batches, step)
+            rows.append({"system": system, "step": step.kind, "trial": trial, "epoch": epoch, **row,
+                         "samples_per_s": row["samples"] / row["time_s"]})
+    _release(loader)
+    return rows
+
+
+def _release(loader) -> None:
+    """Stop a loader's workers (torch's persistent ones, DALI's pipeline) before the next system runs."""
+    if isinstance(loader, torch.utils.data.DataLoader) and not isinstance(loader, coordl.DataLoader):
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+
+
+def _generate(job: tuple[str, int, int]) -> None:
+    part_root, n, seed = job
+    make_image_folder(part_root, n, n_classes=NUM_CLASSES, mean_side_px=400, seed=seed)
+
+
+def make_dataset(root: str, images: int, processes: int) -> None:
+    """``images`` JPEGs (mean side 400 px, about 75 KB) in ImageFolder layout, made in parallel parts."""
+    parts = max(1, min(processes, images // NUM_CLASSES))
+    jobs = [(f"{root}.part{k}", images // parts + (k < images % parts), k) for k in range(parts)]
+    with multiprocessing.get_context("spawn").Pool(parts) as pool:
+        pool.map(_generate, jobs)
+    for part_root, _, seed in jobs:
+        for cls in os.listdir(part_root):
+            os.makedirs(os.path.join(root, cls), exist_ok=True)
+            for name in os.listdir(os.path.join(part_root, cls)):
+                os.rename(os.path.join(part_root, cls, name), os.path.join(root, cls, f"p{seed}_{name}"))
+        shutil.rmtree(part_root)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per system and step: the median over trials of the steady epochs' samples/s, with min and max,
+    the stall against ``G`` and the loop's waiting share."""
+    def steady_rate(trial_rows):
+        steady = [r for r in trial_rows if r["epoch"] > 1]
+        return sum(r["samples"] for r in steady) / sum(r["time_s"] for r in steady), \
+            sum(r["wait_s"] for r in steady) / sum(r["time_s"] for r in steady)
+
+    keys = sorted({(r["system"], r["step"]) for r in rows}, key=lambda k: (k[1] != "resnet18", SYSTEMS.index(k[0])))
+    out = []
+    for system, step in keys:
+        trials = sorted({r["trial"] for r in rows if (r["system"], r["step"]) == (system, step)})
+        rates = [steady_rate([r for r in rows if (r["system"], r["step"], r["trial"]) == (system, step, t)])
+                 for t in trials]
+        out.append({"system": system, "step": step, "samples_per_s": statistics.median(r for r, _ in rates),
+                    "min": min(r for r, _ in rates), "max": max(r for r, _ in rates),
+                    "wait_fraction": statistics.median(w for _, w in rates), "trials": len(rates)})
+    g = next((s["samples_per_s"] for s in out if s["system"] == "synthetic"), None)
+    for s in out:
+        s["stall"] = 1 - s["samples_per_s"] / g if g and s["step"] == "resnet18" else None
+    return out
+
+
+def analyze(system: str, root: str, args, out_dir: str) -> dict:
+    """``coordl analyze`` on the ``system`` job: its prediction and the time the analysis took."""
+    folder = os.path.join(out_dir, f"analyze-{system}")
+    command = [sys.executable, "-m", "coordl.cli", "analyze", "--out", folder, "--iters", str(args.iters),
+               "--warmup", str(args.warmup), "--timeout", "240", "--", sys.executable, "-m",
+               "benchmarks.gpu_stall", "job", root, "--system", system, "--workers", str(args.workers),
+               "--batch-size", str(args.batch_size), "--device", args.device]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    print(done.stdout[-3000:], done.stderr[-2000:], sep="\n", flush=True)
+    if done.returncode != 0:
+        return {"system": system, "error": f"coordl analyze exited {done.returncode}", "analysis_s": elapsed}
+    with open(os.path.join(folder, "analysis.json")) as f:
+        analysis = json.load(f)
+    return {"system": system, "predicted_samples_per_s": analysis["predicted_samples_per_s"],
+            "bottleneck": analysis["bottleneck"], "rates": analysis["rates"], "analysis_s": elapsed}
+
+
+def job(argv: list[str]) -> None:
+    """The training script ``coordl analyze`` runs: ``system``'s loader feeding the step, epoch after epoch."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stall job")
+    parser.add_argument("root")
+    parser.add_argument("--system", choices=SYSTEMS[1:], required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--epochs", type=int, default=1000)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    step = Step("resnet18", args.device)
+    loader = build_loader(args.system, args.root, workers=args.workers, batch_size=args.batch_size,
+                          cache_name=f"gpu-stall-job-{os.getpid()}", device=args.device)
+    for _ in range(args.epochs):
+        run_epoch(loader, step)
+
+
+def setup(args) -> dict:
+    """The machine, the GPU, the versions, the commit (``--git-sha`` where the tree has no ``.git``), the settings."""
+    cuda = args.device == "cuda"
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if cuda else None
+    info = {**report.machine(), **report.provenance(), "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "nvidia_smi": smi,
+            "load_avg": os.getloadavg(), "settings": vars(args)}
+    info["git_sha"] = info["git_sha"] or args.git_sha
+    return info
+
+
+def write_markdown(path: str, summary: list[dict], analyses: list[dict], failed: dict, setup_info: dict) -> None:
+    lines = [f"GPU: {setup_info['gpu']}; {setup_info['summary']}; torch {setup_info['torch']}, "
+             f"DALI {setup_info['nvidia.dali']}; git {setup_info['git_sha']}", "",
+             "| system | step | samples/s (median [min-max]) | stall vs G | loop waiting |", "|---|---|---|---|---|"]
+    for s in summary:
+        stall = f"{100 * s['stall']:.1f}%" if s["stall"] is not None else "-"
+        lines.append(f"| {s['system']} | {s['step']} | {s['samples_per_s']:.0f} [{s['min']:.0f}-{s['max']:.0f}] "
+                     f"| {stall} | {100 * s['wait_fraction']:.1f}% |")
+    lines += [f"\n{system} failed: {error}" for system, error in failed.items()]
+    if analyses:
+        lines += ["", "| analyzed job | predicted | measured | error | bottleneck | analysis s |", "|---|---|---|---|---|---|"]
+        for a in analyses:
+            if "error" in a and isinstance(a["error"], str):
+                lines.append(f"| {a['system']} | {a['error']} | | | | {a['analysis_s']:.0f} |")
+            else:
+                lines.append(f"| {a['system']} | {a['predicted_samples_per_s']:.0f} | {a['measured_samples_per_s']:.0f} "
+                             f"| {100 * a['error']:+.1f}% | {a['bottleneck']} | {a['analysis_s']:.0f} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["job"]:
+        job(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stall", description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ",".join(SYSTEMS))
+    parser.add_argument("--analyze", action="store_true", help="also run coordl analyze on the coordl jobs")
+    parser.add_argument("--iters", type=int, default=60, help="coordl analyze --iters (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="coordl analyze --warmup (default 10)")
+    parser.add_argument("--out", default="results/gpu_stall")
+    parser.add_argument("--git-sha", help="the commit measured, where the tree has no .git")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="where the step runs (cpu: a smoke test of the benchmark itself, no GPU figures)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks.gpu_stall needs a CUDA GPU, and torch sees none (--device cpu for a smoke test)",
+              file=sys.stderr)
+        return 2
+    systems = [s for s in args.systems.split(",") if s]
+    if any(s in DALI_SYSTEMS for s in systems):
+        from coordl.dali_pipeline import require_dali
+        require_dali()
+    os.makedirs(args.out, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="coordl-gpu-stall-")
+    try:
+        root = os.path.join(workdir, "train")
+        started = time.perf_counter()
+        make_dataset(root, args.images, os.cpu_count())
+        print(f"{args.images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
+        steps = {kind: Step(kind, args.device) for kind in ("resnet18", "none")}
+        plan = [(s, "resnet18") for s in systems] + [(s, "none") for s in systems if s in DALI_SYSTEMS]
+        rows, failed = [], {}
+        for trial in range(args.trials):
+            for system, kind in (plan if trial % 2 == 0 else plan[::-1]):
+                if system in failed:
+                    continue
+                try:
+                    trial_rows = measure(system, steps[kind], root, args, trial)
+                except Exception as e:  # noqa: BLE001 - a system that fails is reported, the others still run
+                    traceback.print_exc()
+                    failed[system] = f"{type(e).__name__}: {e}"
+                    continue
+                rows += trial_rows
+                print(f"trial {trial} {system:12s} step={kind:8s} " + " ".join(
+                    f"{r['samples_per_s']:7.0f}" for r in trial_rows) + " samples/s", flush=True)
+        summary = summarize(rows)
+        analyses = []
+        for system in ("coordl", "coordl-dali") if args.analyze else ():
+            if system in systems and system not in failed:
+                a = analyze(system, root, args, args.out)
+                measured = next(s["samples_per_s"] for s in summary if (s["system"], s["step"]) == (system, "resnet18"))
+                if "predicted_samples_per_s" in a:
+                    a.update(measured_samples_per_s=measured, error=a["predicted_samples_per_s"] / measured - 1)
+                analyses.append(a)
+        info = setup(args)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"summary": summary, "analyses": analyses, "failed": failed, "epochs": rows}, f, indent=1)
+        with open(os.path.join(args.out, "setup.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        write_markdown(os.path.join(args.out, "results.md"), summary, analyses, failed, info)
+        with open(os.path.join(args.out, "results.md")) as f:
+            print(f.read())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
