@@ -239,14 +239,14 @@ def job(argv: list[str]) -> None:
 
 
 def setup(args) -> dict:
-    """The machine, the GPU, the versions, the commit (``--git-sha`` where the tree has no ``.git``), the settings."""
+    """The machine, the GPU, the versions, the commit (``--git-sha`` over the tree's), the settings."""
     cuda = args.device == "cuda"
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if cuda else None
     info = {**report.machine(), **report.provenance(), "gpu": torch.cuda.get_device_name(0) if cuda else None,
             "nvidia_smi": smi,
             "load_avg": os.getloadavg(), "settings": vars(args)}
-    info["git_sha"] = info["git_sha"] or args.git_sha
+    info["git_sha"] = args.git_sha or info["git_sha"]
     return info
 
 
@@ -283,11 +283,12 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ",".join(SYSTEMS))
-    parser.add_argument("--analyze", action="store_true", help="also run coordl analyze on the coordl jobs")
+    parser.add_argument("--analyze", nargs="?", const="coordl,coordl-dali", default="",
+                        help="also run coordl analyze on these jobs (default coordl,coordl-dali)")
     parser.add_argument("--iters", type=int, default=60, help="coordl analyze --iters (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="coordl analyze --warmup (default 10)")
     parser.add_argument("--out", default="results/gpu_stall")
-    parser.add_argument("--git-sha", help="the commit measured, where the tree has no .git")
+    parser.add_argument("--git-sha", help="the commit measured, where the tree's .git is not it (a copy)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where the step runs (cpu: a smoke test of the benchmark itself, no GPU figures)")
     args = parser.parse_args(argv)
@@ -324,7 +325,7 @@ def main(argv=None) -> int:
                     f"{r['samples_per_s']:7.0f}" for r in trial_rows) + " samples/s", flush=True)
         summary = summarize(rows)
         analyses = []
-        for system in ("coordl", "coordl-dali") if args.analyze else ():
+        for system in [s for s in args.analyze.split(",") if s]:
             if system in systems and system not in failed:
                 a = analyze(system, root, args, args.out)
                 measured = next(s["samples_per_s"] for s in summary if (s["system"], s["step"]) == (system, "resnet18"))

@@ -415,8 +415,9 @@ def test_gpu_decoding_yields_cuda_tensors_like_the_cpu_path(image_root, tmp_path
         coordl.CocoDetection(str(tmp_path), _write_coco(str(tmp_path), 16))
     outputs = {}
     for device in ("cpu", "gpu"):
+        # eval transforms: no randomness to compare; pinned memory asked for, as training scripts do
         with coordl.DataLoader(dataset, batch_size=8, backend="dali", dali_pipeline=preset, dali_device=device,
-                               cache_bytes=0) as loader:  # eval transforms: no randomness to compare
+                               cache_bytes=0, pin_memory=True) as loader:
             outputs[device] = list(loader)
     for cpu_batch, gpu_batch in zip(outputs["cpu"], outputs["gpu"]):
         images = gpu_batch[0]
