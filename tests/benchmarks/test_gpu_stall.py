@@ -1,0 +1,49 @@
+"""``benchmarks.gpu_stall``: the summary of its trials on constructed epochs, and a run end to end with the step on
+the CPU (the benchmark's own smoke test; its figures need a GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.gpu_stall import summarize
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _epochs(system, step, trial, rates, waits=0.0):
+    return [{"system": system, "step": step, "trial": trial, "epoch": k + 1, "samples": 1000,
+             "time_s": 1000 / rate, "wait_s": waits * 1000 / rate} for k, rate in enumerate(rates)]
+
+
+def test_the_summary_counts_steady_epochs_takes_the_median_trial_and_the_stall_against_g():
+    rows = (_epochs("synthetic", "resnet18", 0, [10, 4000]) + _epochs("synthetic", "resnet18", 1, [10, 4000])
+            + _epochs("torch", "resnet18", 0, [5, 1000, 1000], 0.5) + _epochs("torch", "resnet18", 1, [5, 3000, 3000])
+            + _epochs("torch", "resnet18", 2, [5, 2000, 2000], 0.25) + _epochs("dali", "none", 0, [7, 9000]))
+    summary = {(s["system"], s["step"]): s for s in summarize(rows)}
+    assert summary["synthetic", "resnet18"]["samples_per_s"] == pytest.approx(4000)  # epoch 1 left out
+    torch_row = summary["torch", "resnet18"]
+    assert (torch_row["samples_per_s"], torch_row["min"], torch_row["max"]) == pytest.approx((2000, 1000, 3000))
+    assert torch_row["stall"] == pytest.approx(0.5) and torch_row["wait_fraction"] == pytest.approx(0.25)
+    assert summary["dali", "none"]["stall"] is None  # no step: nothing to stall
+    assert [s["system"] for s in summarize(rows)] == ["synthetic", "torch", "dali"]
+
+
+@pytest.mark.slow
+def test_a_run_with_the_step_on_the_cpu_delivers_every_sample_of_every_epoch(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stall", "--device", "cpu", "--images", "24",
+                          "--batch-size", "8", "--epochs", "2", "--trials", "2", "--workers", "2",
+                          "--systems", "synthetic,torch,coordl", "--out", str(out)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["failed"] == {}
+    assert sorted({(r["system"], r["trial"], r["epoch"]) for r in result["epochs"]}) == sorted(
+        (s, t, e) for s in ("synthetic", "torch", "coordl") for t in (0, 1) for e in (1, 2))
+    assert all(r["samples"] == 24 for r in result["epochs"])
+    setup = json.loads((out / "setup.json").read_text())
+    assert setup["gpu"] is None and setup["settings"]["device"] == "cpu" and setup["git_sha"]
+    assert "| coordl | resnet18 |" in (out / "results.md").read_text()

@@ -1,0 +1,82 @@
+"""A timed window of ``coordl analyze`` around a step that runs on a GPU: the work queued there is waited for at
+both edges, so the window holds its batches' steps and no earlier one's."""
+
+import json
+import types
+
+import pytest
+
+from coordl.analyzer import phases
+
+
+class _FakeGpu:
+    """``torch.cuda`` as a script with a queue of asynchronous steps sees it: each step queued adds work that
+    ends only at ``synchronize``, which the clock below then moves past."""
+
+    def __init__(self, clock):
+        self.clock, self.queued_s, self.synced_at = clock, 0.0, []
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.clock.now += self.queued_s
+        self.queued_s = 0.0
+        self.synced_at.append(self.clock.now)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def process_time(self) -> float:
+        return 0.0
+
+
+def _loader():
+    total = types.SimpleNamespace(hits=0, peer_hits=0, misses=0)
+    return types.SimpleNamespace(epoch_ledger=object(), batch_size=4, num_workers=0, prefetch_factor=None,
+                                 stats=lambda: types.SimpleNamespace(total=total))
+
+
+def test_a_windows_edges_wait_for_the_steps_queued_on_the_gpu(monkeypatch, tmp_path):
+    clock = _Clock()
+    gpu = _FakeGpu(clock)
+    monkeypatch.setattr(phases.torch, "cuda", gpu)
+    monkeypatch.setattr(phases, "time", clock)
+    monkeypatch.setenv(phases.WARMUP_ENV, "2")
+    monkeypatch.setenv(phases.ITERS_ENV, "3")
+    monkeypatch.setenv(phases.RESULT_ENV, str(tmp_path / "result.json"))
+    window = phases._Window(_loader(), "ingestion")
+    step_s = 0.5  # each step: queued at once, done on the GPU half a second later
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            gpu.queued_s += step_s  # the loop queues the step and goes on
+    result = json.loads((tmp_path / "result.json").read_text())
+    # the warm-up's two steps end before the clock starts; the window's three end before it stops
+    assert gpu.synced_at == [100.0 + 2 * step_s, 100.0 + 5 * step_s]
+    assert result["samples_per_s"] == pytest.approx(3 * 4 / (3 * step_s))
+
+
+def test_a_script_with_no_gpu_is_not_made_to_wait(monkeypatch, tmp_path):
+    clock = _Clock()
+    gpu = _FakeGpu(clock)
+    gpu.is_initialized = lambda: False
+    monkeypatch.setattr(phases.torch, "cuda", gpu)
+    monkeypatch.setattr(phases, "time", clock)
+    monkeypatch.setenv(phases.WARMUP_ENV, "1")
+    monkeypatch.setenv(phases.ITERS_ENV, "2")
+    monkeypatch.setenv(phases.RESULT_ENV, str(tmp_path / "result.json"))
+    window = phases._Window(_loader(), "ingestion")
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            clock.now += 0.25
+    assert gpu.synced_at == []
+    assert json.loads((tmp_path / "result.json").read_text())["samples_per_s"] == pytest.approx(2 * 4 / 0.5)
