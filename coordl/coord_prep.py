@@ -157,6 +157,11 @@ class HPGroup:
     def joined(self) -> bool:
         return self._state is not None
 
+    @property
+    def slot(self) -> int:
+        """This process's slot in the group (members are numbered from 0 as they join); -1 when not joined."""
+        return self._slot
+
     def join(self) -> None:
         """Create or attach the group and register this process in it. Idempotent.
 

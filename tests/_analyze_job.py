@@ -2,12 +2,12 @@
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--fail-at B [--only-in-phase PHASE]]
 [--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali] [--hp-group NAME]
-[--rebuilt torch|accelerate]``: an ImageFolder at ROOT through ``coordl.DataLoader`` (or torch's,
+[--hp-group-size K] [--rebuilt torch|accelerate]``: an ImageFolder at ROOT through ``coordl.DataLoader`` (or torch's,
 ``--torch-loader``; or, ``--rebuilt``, a torch DataLoader built from the coordl loader's dataset, batch sampler
 and collate function, or Accelerate's ``prepare``d one), persistent workers, a training step of ``S``
 seconds, leaving each epoch after K batches; ``--fail-at B`` raises at batch B (only in coordl
 analyze's PHASE); ``--ddp``: a rank of a torchrun job (gloo, a DistributedSampler, an all-reduce each
-step, so the ranks go in step); ``--backend``, ``--hp-group``: ``coordl.DataLoader``'s.
+step, so the ranks go in step); ``--backend``, ``--hp-group``, ``--hp-group-size``: ``coordl.DataLoader``'s.
 """
 
 import argparse
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--hp-group")
+    parser.add_argument("--hp-group-size", type=int)
     parser.add_argument("--rebuilt", choices=["torch", "accelerate"])
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
@@ -48,7 +49,7 @@ def main() -> None:
     else:
         cache_bytes = args.cache_bytes if args.cache_bytes == "auto" else int(args.cache_bytes)
         loader = coordl.DataLoader(dataset, cache_bytes=cache_bytes, backend=args.backend, hp_group=args.hp_group,
-                                   **options)
+                                   hp_group_size=args.hp_group_size, **options)
     if args.rebuilt == "torch":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
                                              collate_fn=loader.collate_fn, num_workers=loader.num_workers,

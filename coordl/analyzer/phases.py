@@ -42,7 +42,10 @@ afresh. The settings the phases use are the coordl loader's, as built (``EpochLe
 
 Each rank of a torchrun job on one server measures at once (so they share storage, cache and cores as in
 training; each rank's S, L, C and P over its own part of a common random subset) and writes its own
-result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``.
+result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``. So does each member of an hp_group (``.rank<slot>``, its
+slot in the group): in the rates phase it measures its part with its share's workers (or a twin of its DALI
+pipeline) over an unfed view of the dataset, and in the ingestion phase it leaves the group once its first
+batch is in.
 """
 
 import concurrent.futures
@@ -79,6 +82,7 @@ STORAGE_MIN_S = 3.0
 STORAGE_REST_S = 1.0
 """Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
+_member = []  # (index, members) of this process among the hp_group members that measure together
 _own_pass = []  # set while coordl.DataLoader's own iterator starts a pass (observe_pass leaves it alone)
 
 
@@ -123,15 +127,25 @@ def _local_world() -> int:
 
 def result_path() -> str:
     """Where this process writes its phase's result: ``COORDL_ANALYZE_RESULT``, with ``.rank<RANK>`` for a
-    rank of a torchrun job."""
+    rank of a torchrun job, ``.rank<slot>`` for a member of an hp_group."""
+    if _member:
+        return os.environ[RESULT_ENV] + f".rank{_member[0][0]}"
     return os.environ[RESULT_ENV] + (f".rank{os.environ['RANK']}" if _world() > 1 else "")
+
+
+def _sharers() -> tuple[int, int]:
+    """(this process's index, how many processes) among those that measure at once on this server: the ranks
+    of a torchrun job, or the members of an hp_group."""
+    if _member:
+        return _member[0]
+    return int(os.environ.get("LOCAL_RANK", 0)), _local_world()
 
 
 def _finish(result: dict) -> None:
     """Write the phase's result and end the script."""
     path = result_path()
     with open(path + ".part", "w") as f:
-        json.dump({**result, "local_world_size": _local_world()}, f)
+        json.dump({**result, "local_world_size": _sharers()[1]}, f)
     os.replace(path + ".part", path)
     raise SystemExit(0)
 
@@ -176,6 +190,9 @@ def _claim(loader) -> "_Window":
     _check_measurable(loader)
     window = _Window(loader, current())
     _measured.append(window)
+    group = _group_feed(loader.epoch_ledger)
+    if group is not None:  # every member measures at once, each its own result (see the module's docstring)
+        _member.append((group.group.slot, group.group.expected_members))
     open(result_path() + CLAIMED, "w").close()
     if window.phase == "rates":
         _finish(measure_rates(loader, (window.warmup + window.iters) * window.batch_size))
@@ -198,10 +215,9 @@ class _Parts:
 def _check_measurable(loader) -> None:
     """Refuse, in the first phase, a loader whose rates phase could not be measured."""
     dataset = loader.dataset
-    if loader.epoch_ledger.feed is not None and _dali(loader.epoch_ledger) is None:
-        raise RuntimeError(f"coordl analyze does not measure a job in an hp_group yet (this loader has "
-                           f"hp_group={loader.hp_group!r}); analyze it without hp_group=, and `coordl whatif "
-                           f"analysis.json --jobs K --coordinated` predicts K jobs that coordinate their prep")
+    if isinstance(loader, _Parts) and _group_feed(loader.epoch_ledger) is not None:
+        raise RuntimeError("coordl analyze measures an hp_group job through its coordl.DataLoader, not through a "
+                           "torch DataLoader built from its parts")
     if not isinstance(dataset, CachedDataset) or dataset.source is None:
         raise RuntimeError(f"coordl analyze measures loaders that fetch raw bytes and prepare them on torch's "
                            f"workers or in DALI, over a dataset coordl can read raw (an ImageFolder, "
@@ -332,6 +348,11 @@ def _stop_loading(loader, iterator, batch):
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+    group = _group_feed(loader.epoch_ledger)
+    if group is not None:  # the member leaves the group: its share's workers (or pipeline) stop
+        batch = copy.deepcopy(batch)  # out of the staging area
+        group.close()
+        return batch
     dali = _dali(loader.epoch_ledger)
     if dali is None:
         return batch
@@ -346,6 +367,13 @@ def _dali(ledger):
     from coordl.dali_pipeline import DaliFeed
     feed = ledger.feed
     return feed.backend if isinstance(feed, DaliFeed) else None
+
+
+def _group_feed(ledger):
+    """The hp_group feed of a loader (its ``epoch_ledger``), else None."""
+    from coordl.group_feed import GroupFeed
+    feed = ledger.feed
+    return feed if isinstance(feed, GroupFeed) else None
 
 
 class _Replay(torch.utils.data.Dataset):
@@ -388,9 +416,15 @@ def measure_rates(loader, samples: int) -> dict:
     """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
     (see the module's docstring)."""
     batch_size = _measured[0].batch_size
-    dataset, dali = loader.dataset, _dali(loader.epoch_ledger)
+    dataset, dali, group = loader.dataset, _dali(loader.epoch_ledger), _group_feed(loader.epoch_ledger)
+    if group is not None:  # a member prepares its share on its own workers or DALI pipeline, from the fetch path
+        dataset, dali = dataset.unfed(), group.dali
+        prep = dict(group.loader_options, collate_fn=group.collate_fn)
+    else:
+        prep = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
+                    multiprocessing_context=loader.multiprocessing_context)
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
-    ranks, rank = _local_world(), int(os.environ.get("LOCAL_RANK", 0))
+    rank, ranks = _sharers()
     cores = max(1, len(os.sched_getaffinity(0)) // ranks)  # this rank's share
     n = max(1, min(len(dataset) // ranks, samples))
     subset = random.Random(0).sample(range(len(dataset)), len(dataset))[rank * n:(rank + 1) * n]  # this rank's part
@@ -410,10 +444,11 @@ def measure_rates(loader, samples: int) -> dict:
     result = {"phase": "rates", "samples": len(dataset), "sample_bytes": sum(sizes) / n, "subset": n,
               "S": passes * n / storage_s, "S_passes": passes, "cores": cores, "batch_size": batch_size,
               "backend": loader.backend,
-              "workers": loader.num_workers if dali is None else dali.dali_threads,
+              "workers": prep["num_workers"] if dali is None else dali.dali_threads,
               "fetch_threads": 0 if dali is None else dali.fetch_threads,
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
-              "cold_fraction": _cold_fraction(device_before, passes * sum(sizes))}
+              "cold_fraction": _cold_fraction(device_before, passes * sum(sizes)),
+              "hp_group": group is not None}
     probe = keys[:LATENCY_READS]
     result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s)
     datas = [r[0] if stamped else r for r in raws]
@@ -440,7 +475,7 @@ def measure_rates(loader, samples: int) -> dict:
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
         result["P_from"], indices, held = "memory", subset, _Held(source, subset, datas)
     if dali is None:
-        rate, cpu_s = _prep_rate(loader, torch.utils.data.Subset(held, indices), batch_size)
+        rate, cpu_s = _prep_rate(prep, torch.utils.data.Subset(held, indices), batch_size)
     else:
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
@@ -465,14 +500,16 @@ class _Held(torch.utils.data.Dataset):
         return [self.raws[i] for i in indices]
 
 
-def _prep_rate(loader, samples: torch.utils.data.Dataset, batch_size: int) -> tuple[float, float]:
-    """Samples/s of the loader's workers preparing ``samples`` (nothing read from storage), and the CPU
-    seconds they take per pass (the workers', or the training process's where it prepares)."""
+def _prep_rate(options: dict, samples: torch.utils.data.Dataset, batch_size: int) -> tuple[float, float]:
+    """Samples/s of workers as the loader's (``options``: ``num_workers``, ``collate_fn``, ``worker_init_fn``,
+    ``multiprocessing_context``) preparing ``samples`` (nothing read from storage), and the CPU seconds they
+    take per pass (the workers', or the training process's where it prepares)."""
+    workers = options["num_workers"]
     prep = torch.utils.data.DataLoader(
-        samples, batch_size=batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-        persistent_workers=loader.num_workers > 0, multiprocessing_context=loader.multiprocessing_context,
-        worker_init_fn=loader.worker_init_fn)
-    cpu_s = (lambda: sum(map(_cpu_s, (w.pid for w in prep._iterator._workers)))) if loader.num_workers else \
+        samples, batch_size=batch_size, num_workers=workers, collate_fn=options["collate_fn"],
+        persistent_workers=workers > 0, multiprocessing_context=options.get("multiprocessing_context"),
+        worker_init_fn=options.get("worker_init_fn"))
+    cpu_s = (lambda: sum(map(_cpu_s, (w.pid for w in prep._iterator._workers)))) if workers else \
         time.process_time
     passes_per_s, cpu_per_pass = _passes_per_s(lambda: [None for _ in prep], cpu_s)
     return passes_per_s * len(samples), cpu_per_pass

@@ -175,11 +175,17 @@ def _ranks_done(result_path: str) -> bool:
 
 def _combine(ranks: list[dict]) -> dict:
     """A torchrun job's result from its ranks' (rates per rank): the slowest rank's rates, as the job goes
-    at its pace, and the longest miss wait and most CPU per sample; each rank's own under ``ranks``."""
+    at its pace, and the longest miss wait and most CPU per sample; each rank's own under ``ranks``. For the
+    members of an hp_group, which measured at once, each over its part: the group's storage, cache and prep
+    rates and cores are the members' together (each sample is fetched and prepared once for all of them),
+    and a job's samples/s the slowest member's."""
     out = dict(ranks[0])
+    together = ("S", "C", "P", "cores") if out.get("hp_group") else ()
     for key in ("samples_per_s", "S", "C", "P"):
-        if key in out:
+        if key in out and key not in together:
             out[key] = min(r[key] for r in ranks)
+    for key in together:
+        out[key] = sum(r[key] for r in ranks)
     for key in ("L", "loop_cpu_s", "prep_cpu_s"):
         if key in out:
             out[key] = max(r[key] for r in ranks)
@@ -221,11 +227,16 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
             flags.append(f"{rate}: only {rates[cold]:.0%} of the storage reads came from a block device; the rest "
                          f"was served from memory (the page cache, or a RAM-backed file system), so {rate} is "
                          f"{wrong} for cold reads")
+    sharers = rates["local_world_size"]
+    if rates.get("hp_group"):  # K coordinated jobs; the workers (or DALI threads) are all the members'
+        shape = dict(jobs=sharers, coordinated=True, workers=sharers * rates["workers"],
+                     fetch_threads=sharers * rates["fetch_threads"])
+    else:
+        shape = dict(ranks=sharers, workers=rates["workers"], fetch_threads=rates["fetch_threads"])
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
-                        S=rates["S"], C=rates["C"], L=rates["L"], workers=rates["workers"], cores=rates["cores"],
+                        S=rates["S"], C=rates["C"], L=rates["L"], cores=rates["cores"],
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes),
-                        fetch_threads=rates["fetch_threads"], ranks=rates["local_world_size"],
-                        step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"])
+                        step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"], **shape)
     return pipeline, {"results": results, "flags": flags}
 
 

@@ -159,10 +159,34 @@ def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_
     assert "DALI: 2 prep and 2 fetch threads" in proc.stdout and "threads (num_workers=)" in proc.stdout
 
 
-def test_a_job_in_an_hp_group_is_refused_in_the_first_phase(image_root, tmp_path):
-    proc = _analyze(tmp_path, image_root, "--hp-group", "analyzed")
-    assert proc.returncode == 1 and "failed in the ingestion phase" in proc.stderr
-    assert "hp_group='analyzed'" in proc.stderr and "--coordinated" in proc.stderr
+@pytest.mark.parametrize("backend", ["torch", "dali"])
+def test_the_jobs_of_an_hp_group_are_measured_member_by_member(image_root, tmp_path, backend):
+    """Both members of the group measure each phase at once, each over its own half of the subset: the group
+    fetches and prepares each sample once for both, so its S, C and P are the members' together, a job goes
+    at the slower member's pace, and the model has 2 coordinated jobs."""
+    step_s = 0.02
+    member = f"{sys.executable} {JOB} {image_root} --hp-group analyzed --hp-group-size 2 --workers 1 " \
+             f"--step-s {step_s} --cache-bytes auto --backend {backend}"
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path), "--iters", "10",
+                           "--warmup", "3", "--timeout", "180", "--", "sh", "-c", f"{member} & {member} & wait"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    assert doc["config"]["jobs"] == 2 and doc["config"]["coordinated"] and doc["config"]["ranks"] == 1
+    assert "2 coordinated jobs" in proc.stdout
+    rates = doc["phases"]["rates"]
+    members = rates["ranks"]
+    assert len(members) == 2 and all(m["hp_group"] for m in members)
+    assert [m["subset"] for m in members] == [48, 48]  # 96 images: half each
+    for key in ("S", "C", "P", "cores"):
+        assert rates[key] == pytest.approx(sum(m[key] for m in members))
+    assert doc["config"]["workers"] == 2 * members[0]["workers"]
+    for phase in ("ingestion", "run"):
+        ranks = doc["phases"][phase]["ranks"]
+        assert len(ranks) == 2 and doc["phases"][phase]["samples_per_s"] == min(r["samples_per_s"] for r in ranks)
+    assert doc["rates"]["G"] <= BATCH / step_s and 0 < doc["measured_samples_per_s"] <= BATCH / step_s
+    assert doc["predicted_samples_per_s"] <= doc["rates"]["G"]
+    assert not list(tmp_path.glob("*.claimed"))
 
 
 def _in_phase(monkeypatch, tmp_path, phase: str, iters: int = 6, warmup: int = 2) -> None:
