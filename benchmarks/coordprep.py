@@ -1,6 +1,6 @@
 """K hyperparameter-search jobs on one machine: K torch DataLoaders against K coordl jobs in one hp_group.
 
-    sudo python -m benchmarks.coordprep --jobs 4 [--backend dali] [--images 2000] [--epochs 3] [--out DIR]
+    sudo python -m benchmarks.coordprep --jobs 4 [--backend dali] [--images 2000] [--epochs 3] [--reps 3] [--out DIR]
     python -m benchmarks.coordprep --jobs 2 --quick --out DIR      # small and fast, to check it works
 
 The K jobs of a system run at once, as independent processes, over the same generated JPEG dataset
@@ -20,10 +20,12 @@ its page cache gets the rest. So the K independent jobs pay the paper's I/O ampl
 the dataset through a page cache too small to hold it), where the group reads it once per epoch.
 Without root there is no throttle and no bound, and device bytes come from each job's /proc/self/io.
 
-Reported per system: per-job samples/s per epoch, samples decoded per epoch over all jobs, bytes read
-from the dataset's device while the jobs train (counted from the moment all K jobs have started up,
-when they begin together), the page cache and held memory of the group, and (coordl) the staging
-area's peak. The dataset's files are evicted from the page cache before each system. As root, each
+Each system runs ``--reps`` times, the systems' order reversed every other time; a system's figures are
+the median over its runs (per-job samples/s with its min and max, and each run's speedup over the
+baseline's run beside it). Reported per system: per-job samples/s per epoch, samples decoded per epoch
+over all jobs, bytes read from the dataset's device while the jobs train (counted from the moment all
+K jobs have started up, when they begin together), the page cache and held memory of the group, and
+(coordl) the staging area's peak. The dataset's files are evicted from the page cache before each system. As root, each
 system's K jobs first warm up outside any cgroup (one epoch over a small dataset on the real disk), so
 that the libraries they load are not charged to the measured group, and the group is bounded only from
 the moment all K jobs have built their loaders.
@@ -37,12 +39,14 @@ import platform
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, write_json_and_markdown
+from benchmarks.metrics import spread
+from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, spread_text, write_json_and_markdown
 from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
                                     evict_files, over_budget, prepare_storage)
 
@@ -228,6 +232,24 @@ def _summary(system: dict, epochs: int, dataset_images: int, dataset_bytes: int)
     }
 
 
+def _over_runs(rows: list[dict], baseline: list[dict] | None) -> dict:
+    """One system's :func:`_summary` over its runs: the median per-job samples/s and device reads, the
+    spread of the samples/s and (against ``baseline``'s summaries, run for run) of the speedup, the worst
+    page cache and staging peak, each run's own under ``runs``."""
+    out = dict(rows[0])
+    rates = [r["per_job_samples_per_s"] for r in rows]
+    out.update(per_job_samples_per_s=round(statistics.median(rates), 1), per_job_samples_per_s_spread=spread(rates),
+               device_read_bytes=statistics.median(r["device_read_bytes"] for r in rows),
+               device_read_x_dataset_per_epoch=statistics.median(r["device_read_x_dataset_per_epoch"] for r in rows),
+               over_budget=next((r["over_budget"] for r in rows if r["over_budget"]), None), runs=rows)
+    for key in ("peak_page_cache_bytes", "p99_page_cache_bytes", "staging_peak_bytes"):
+        values = [r[key] for r in rows if r[key] is not None]
+        out[key] = max(values) if values else None
+    if baseline is not None:
+        out["speedup"] = spread([r["per_job_samples_per_s"] / b["per_job_samples_per_s"] for r, b in zip(rows, baseline)])
+    return out
+
+
 def _tags() -> dict:
     return {"host": platform.node(), "machine": machine(), **provenance(), "load_average": os.getloadavg()}
 
@@ -240,16 +262,17 @@ def _markdown(result: dict) -> str:
     lines = [f"K = {result['jobs']} jobs, {result['images']} JPEGs ({result['dataset_bytes'] / mib:.1f} MiB), "
              f"{result['epochs']} epochs, batch {result['batch_size']}, {result['workers_per_job']} worker(s) per job, "
              f"training step {result['step_ms']} ms; {bound}; storage {result['storage_mode']}.", "",
+             f"{result['reps']} run(s) per system, median [min-max].", "",
              "| system | per-job samples/s | speedup | speedup / K | decoded per epoch (all jobs) | x dataset "
              "| device read MiB | x dataset per epoch | page cache p99 MiB (budget) | staging peak MiB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    baseline = next(iter(s))
     for name, row in s.items():
-        speedup = row["per_job_samples_per_s"] / s[baseline]["per_job_samples_per_s"]
+        speedup = row.get("speedup") or spread([1.0])
         peak = f"{row['staging_peak_bytes'] / mib:.1f}" if row["staging_peak_bytes"] is not None else "-"
         cache = "-" if row["p99_page_cache_bytes"] is None else (
             f"{row['p99_page_cache_bytes'] / mib:.1f} ({(row['page_cache_budget_bytes'] or 0) / mib:.1f})")
-        lines.append(f"| {name} | {row['per_job_samples_per_s']:.1f} | {speedup:.2f}x | {speedup / result['jobs']:.2f} | "
+        lines.append(f"| {name} | {spread_text(row['per_job_samples_per_s_spread'], '.1f')} | "
+                     f"{spread_text(speedup)}x | {speedup['median'] / result['jobs']:.2f} | "
                      f"{', '.join(map(str, row['decoded_per_epoch']))} | "
                      f"{', '.join(map(str, row['decoded_x_dataset']))} | "
                      f"{row['device_read_bytes'] / mib:.1f} | {row['device_read_x_dataset_per_epoch']} | {cache} | "
@@ -257,8 +280,10 @@ def _markdown(result: dict) -> str:
     lines += [f"- {name}: OVER BUDGET: {row['over_budget']}" for name, row in s.items() if row["over_budget"]]
     lines += ["", "Per job and epoch (samples/s):", ""]
     for name in s:
-        for k, job in enumerate(result["systems"][name]["jobs"]):
-            lines.append(f"- {name} job {k}: " + ", ".join(f"epoch {r['epoch']}: {r['samples_per_s']}" for r in job))
+        for rep, run in enumerate(result["systems"][name]):
+            for k, job in enumerate(run["jobs"]):
+                lines.append(f"- {name} run {rep} job {k}: " +
+                             ", ".join(f"epoch {r['epoch']}: {r['samples_per_s']}" for r in job))
     return "\n".join(lines) + "\n"
 
 
@@ -272,14 +297,14 @@ def plot(result: dict, path: str) -> bool:
     systems = list(result["summary"])
     epochs, width = range(1, result["epochs"] + 1), 0.8 / len(systems)
     for k, name in enumerate(systems):
-        jobs = result["systems"][name]["jobs"]
+        jobs = [job for run in result["systems"][name] for job in run["jobs"]]
         rates = [sum(r["samples_per_s"] for job in jobs for r in job if r["epoch"] == e) / len(jobs) for e in epochs]
         reads = result["summary"][name]["device_read_x_dataset_per_epoch"]
         ax.bar([e + (k - (len(systems) - 1) / 2) * width for e in epochs], rates, width,
                label=f"{name} (reads {reads}× the dataset per epoch)")
     ax.set_xticks(list(epochs))
     ax.set_xlabel("epoch")
-    ax.set_ylabel("samples/s per job (mean of the K jobs)")
+    ax.set_ylabel("samples/s per job (mean of the K jobs and the runs)")
     disk = f"{result['read_mbps']:g} MB/s" if result["read_mbps"] else "storage not throttled"
     ax.set_title(f"K = {result['jobs']} jobs, {disk}")
     ax.legend(fontsize=8)
@@ -304,6 +329,7 @@ def main(argv=None) -> int:
     parser.add_argument("--read-mbps", type=float, default=20.0, help="the dataset's disk bandwidth (default: 20)")
     parser.add_argument("--storage", choices=("auto", "cgroup", "emulated"), default="auto",
                         help="cgroup: throttled loop device and memory bound (root); emulated: neither (default: auto)")
+    parser.add_argument("--reps", type=int, default=1, help="runs of each system, interleaved (default: 1)")
     parser.add_argument("--quick", action="store_true", help="a small run: 192 small JPEGs, 2 epochs, batch 16")
     parser.add_argument("--out", default="results/coordprep")
     for hidden in ("--child", "--root", "--group", "--barrier", "--staging-bytes"):
@@ -312,8 +338,8 @@ def main(argv=None) -> int:
     if args.child:
         run_child(args)
         return 0
-    if args.jobs < 1:
-        parser.error("--jobs should be at least 1")
+    if args.jobs < 1 or args.reps < 1:
+        parser.error("--jobs and --reps should be at least 1")
     if args.quick:
         args.images, args.epochs, args.batch_size = 192, 2, 16
     args.workers = args.workers or max(1, (os.cpu_count() or 1) // args.jobs)
@@ -337,16 +363,24 @@ def main(argv=None) -> int:
             args.memory_fraction = 0
         print(f"{args.jobs} jobs x {args.workers} worker(s); dataset {dataset_bytes / 2**20:.1f} MiB; {mode}",
               flush=True)
-        systems = {}
-        for system in SYSTEMS[args.backend]:
-            print(f"running {args.jobs} {system} jobs ...", flush=True)
-            systems[system] = _run_system(system, args, storage, cleanup, workdir, dataset_bytes, warm_up_root)
+        names = SYSTEMS[args.backend]
+        systems = {name: [] for name in names}
+        for rep in range(args.reps):
+            for system in (names if rep % 2 == 0 else names[::-1]):
+                print(f"running {args.jobs} {system} jobs ..." + (f" (run {rep + 1} of {args.reps})" if args.reps > 1
+                                                                  else ""), flush=True)
+                systems[system].append(_run_system(system, args, storage, cleanup, workdir, dataset_bytes,
+                                                   warm_up_root))
+        per_run = {name: [_summary(run, args.epochs, args.images, dataset_bytes) for run in runs]
+                   for name, runs in systems.items()}
+        baseline = per_run[names[0]]
         result = {"backend": args.backend, "jobs": args.jobs, "images": args.images, "dataset_bytes": dataset_bytes,
                   "epochs": args.epochs, "batch_size": args.batch_size, "workers_per_job": args.workers,
                   "step_ms": args.step_ms, "read_mbps": args.read_mbps if storage.mode == "cgroup" else None,
                   "memory_fraction": args.memory_fraction, "cache_bytes": args.cache_bytes, "storage_mode": mode,
-                  **_tags(), "systems": systems,
-                  "summary": {name: _summary(s, args.epochs, args.images, dataset_bytes) for name, s in systems.items()}}
+                  "reps": args.reps, **_tags(), "systems": systems,
+                  "summary": {name: _over_runs(rows, None if name == names[0] else baseline)
+                              for name, rows in per_run.items()}}
         table = _markdown(result)
         write_json_and_markdown(args.out, result, table)
         if not plot(result, os.path.join(args.out, "coordprep.png")):

@@ -213,7 +213,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         try:
             super().__init__(
                 wrapped, batch_size, shuffle, sampler, batch_sampler, num_workers,
-                collate_fn, pin_memory and dali is None,  # DALI's own batches: pinned by the feed, or on the GPU
+                # DALI's own batches are pinned by its feed, or on the GPU; an hp_group's are staged: torch pins them
+                collate_fn, pin_memory and (dali is None or hp_group is not None),
                 drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                 prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                 pin_memory_device=pin_memory_device, in_order=in_order)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -24,13 +25,14 @@ def _leftovers() -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, systems", [("torch", ("torch", "coordl")), ("dali", ("dali", "coordl-dali"))])
-def test_quick_run(tmp_path, backend, systems):
+@pytest.mark.parametrize("backend, systems, reps", [("torch", ("torch", "coordl"), 2),
+                                                   ("dali", ("dali", "coordl-dali"), 1)])
+def test_quick_run(tmp_path, backend, systems, reps):
     before, groups_before = _leftovers(), {g.name for g in list_groups()}
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--backend", backend,
-                          "--out", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                         capture_output=True, text=True, timeout=300)
+                          "--reps", str(reps), "--out", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                         capture_output=True, text=True, timeout=300 * reps)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     baseline, coordl = (result["summary"][name] for name in systems)
@@ -38,8 +40,18 @@ def test_quick_run(tmp_path, backend, systems):
     assert baseline["decoded_x_dataset"] == [2.0, 2.0]  # each of the 2 jobs decodes the whole dataset
     assert coordl["decoded_x_dataset"] == [1.0, 1.0]  # the group decodes it once
     for name in systems:
-        jobs = result["systems"][name]["jobs"]
-        assert len(jobs) == 2 and all(r["samples"] == result["images"] for job in jobs for r in job)
+        runs = result["systems"][name]
+        assert len(runs) == reps == len(result["summary"][name]["runs"])
+        for run in runs:
+            jobs = run["jobs"]
+            assert len(jobs) == 2 and all(r["samples"] == result["images"] for job in jobs for r in job)
+        rates = [r["per_job_samples_per_s"] for r in result["summary"][name]["runs"]]
+        assert result["summary"][name]["per_job_samples_per_s_spread"] == {
+            "median": statistics.median(rates), "min": min(rates), "max": max(rates), "n": reps}
+    runs_of = {name: result["summary"][name]["runs"] for name in systems}  # the speedup, run beside run
+    assert coordl["speedup"]["n"] == reps and coordl["speedup"]["min"] == pytest.approx(min(
+        c["per_job_samples_per_s"] / b["per_job_samples_per_s"] for c, b in zip(runs_of[systems[1]], runs_of[systems[0]])))
+    assert "speedup" not in baseline
     batch_bytes = result["batch_size"] * 3 * 224 * 224 * 4  # float32 images
     assert 0 < coordl["staging_peak_bytes"] <= coordl["staging_capacity_bytes"] + batch_bytes  # one batch beyond
     assert baseline["staging_peak_bytes"] is None
