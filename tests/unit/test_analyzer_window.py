@@ -42,15 +42,19 @@ def _loader():
                                  stats=lambda: types.SimpleNamespace(total=total))
 
 
-def test_a_windows_edges_wait_for_the_steps_queued_on_the_gpu(monkeypatch, tmp_path):
-    clock = _Clock()
-    gpu = _FakeGpu(clock)
+def _window(monkeypatch, tmp_path, gpu: _FakeGpu, warmup: int, iters: int) -> "phases._Window":
+    """An ingestion window of ``iters`` batches after ``warmup``, on ``gpu`` and its clock."""
     monkeypatch.setattr(phases.torch, "cuda", gpu)
-    monkeypatch.setattr(phases, "time", clock)
-    monkeypatch.setenv(phases.WARMUP_ENV, "2")
-    monkeypatch.setenv(phases.ITERS_ENV, "3")
+    monkeypatch.setattr(phases, "time", gpu.clock)
+    monkeypatch.setenv(phases.WARMUP_ENV, str(warmup))
+    monkeypatch.setenv(phases.ITERS_ENV, str(iters))
     monkeypatch.setenv(phases.RESULT_ENV, str(tmp_path / "result.json"))
-    window = phases._Window(_loader(), "ingestion")
+    return phases._Window(_loader(), "ingestion")
+
+
+def test_a_windows_edges_wait_for_the_steps_queued_on_the_gpu(monkeypatch, tmp_path):
+    gpu = _FakeGpu(_Clock())
+    window = _window(monkeypatch, tmp_path, gpu, warmup=2, iters=3)
     step_s = 0.5  # each step: queued at once, done on the GPU half a second later
     with pytest.raises(SystemExit):
         while True:
@@ -64,19 +68,13 @@ def test_a_windows_edges_wait_for_the_steps_queued_on_the_gpu(monkeypatch, tmp_p
 
 
 def test_a_script_with_no_gpu_is_not_made_to_wait(monkeypatch, tmp_path):
-    clock = _Clock()
-    gpu = _FakeGpu(clock)
+    gpu = _FakeGpu(_Clock())
     gpu.is_initialized = lambda: False
-    monkeypatch.setattr(phases.torch, "cuda", gpu)
-    monkeypatch.setattr(phases, "time", clock)
-    monkeypatch.setenv(phases.WARMUP_ENV, "1")
-    monkeypatch.setenv(phases.ITERS_ENV, "2")
-    monkeypatch.setenv(phases.RESULT_ENV, str(tmp_path / "result.json"))
-    window = phases._Window(_loader(), "ingestion")
+    window = _window(monkeypatch, tmp_path, gpu, warmup=1, iters=2)
     with pytest.raises(SystemExit):
         while True:
             window.count()
             window.taken += 1
-            clock.now += 0.25
+            gpu.clock.now += 0.25
     assert gpu.synced_at == []
     assert json.loads((tmp_path / "result.json").read_text())["samples_per_s"] == pytest.approx(2 * 4 / 0.5)
