@@ -45,7 +45,7 @@ training; each rank's S, L, C and P over its own part of a common random subset)
 result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``. So does each member of an hp_group (``.rank<slot>``, its
 slot in the group): in the rates phase it measures its part with its share's workers (or a twin of its DALI
 pipeline) over an unfed view of the dataset, and in the ingestion phase it leaves the group once its first
-batch is in.
+batch is in (the copies then come from as many workers as its share's loader has).
 """
 
 import concurrent.futures
@@ -394,14 +394,19 @@ def _as_is(batch):
 
 
 def _handover(loader, batch):
-    """Batches from as many worker processes as ``loader`` has, each a copy of ``batch`` (None without
-    workers: the training process loads, so nothing is handed over)."""
-    if not loader.num_workers:
+    """Batches from as many worker processes as ``loader`` has (an hp_group member: as its share's loader
+    has), each a copy of ``batch`` (None without workers: the training process loads, so nothing is handed
+    over)."""
+    group = _group_feed(loader.epoch_ledger)
+    options = group.loader_options if group is not None else dict(
+        num_workers=loader.num_workers, multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor)
+    if not options.get("num_workers"):
         return None
     batches = iter(torch.utils.data.DataLoader(
-        _Replay(batch), batch_sampler=itertools.repeat([0]), num_workers=loader.num_workers, collate_fn=_as_is,
-        pin_memory=loader.pin_memory, multiprocessing_context=loader.multiprocessing_context,
-        prefetch_factor=loader.prefetch_factor))
+        _Replay(batch), batch_sampler=itertools.repeat([0]), num_workers=options["num_workers"], collate_fn=_as_is,
+        pin_memory=loader.pin_memory, multiprocessing_context=options.get("multiprocessing_context"),
+        prefetch_factor=options.get("prefetch_factor")))
     next(batches)  # the workers start now, not in the timed window
     return batches
 

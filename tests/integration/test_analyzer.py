@@ -194,6 +194,7 @@ def _in_phase(monkeypatch, tmp_path, phase: str, iters: int = 6, warmup: int = 2
                         (phases.ITERS_ENV, str(iters)), (phases.WARMUP_ENV, str(warmup))):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(phases, "_measured", [])
+    monkeypatch.setattr(phases, "_member", [])
 
 
 def test_a_dataset_coordl_cannot_read_raw_is_named_in_the_first_phase(tmp_path, monkeypatch):
@@ -225,15 +226,17 @@ def test_the_ingestion_phase_drops_the_dali_pipeline_and_replays_a_copy_of_its_f
     assert json.load(open(tmp_path / "result.json"))["iters"] == 6
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root, tmp_path, monkeypatch, workers):
+@pytest.mark.parametrize("workers, group", [(0, None), (2, None), (2, "replayed")])
+def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root, tmp_path, monkeypatch, workers,
+                                                                     group):
     """With workers, the batches after the first are copies sent by other worker processes (the loop pays for
-    taking each); without, the training process loads, and the loop gets the batch itself."""
+    taking each; an hp_group member, whose training process has no workers of its own, as many as its share's
+    loader has); without, the training process loads, and the loop gets the batch itself."""
     _in_phase(monkeypatch, tmp_path, "ingestion")
     dataset = torchvision.datasets.ImageFolder(image_root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(16, antialias=True), transforms.ToTensor()]))
     loader = coordl.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
-                               persistent_workers=workers > 0, cache_bytes=0)
+                               persistent_workers=workers > 0, cache_bytes=0, hp_group=group)
     batches = []
     with pytest.raises(SystemExit):
         for images, _ in loader:
@@ -244,7 +247,7 @@ def test_the_ingestion_phase_hands_the_loop_copies_of_its_first_batch(image_root
     loader.close()
     assert len(batches) == 8 and all(torch.equal(b, batches[0]) for b in batches)
     assert len({b.data_ptr() for b in batches}) == (8 if workers else 1)
-    assert json.load(open(tmp_path / "result.json"))["iters"] == 6
+    assert json.load(open(tmp_path / ("result.json.rank0" if group else "result.json")))["iters"] == 6
 
 
 @pytest.mark.parametrize("workers", [0, 2])
