@@ -48,7 +48,7 @@ import time
 from benchmarks.metrics import spread
 from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, spread_text, write_json_and_markdown
 from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
-                                    evict_files, over_budget, prepare_storage)
+                                    evict_files, over_budget, prepare_storage, tree_bytes)
 
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
 """Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
         make_image_folder(source, args.images, mean_side_px=256 if args.quick else 448)
         warm_up_root = os.path.join(workdir, "warm-up")  # on the real disk
         make_image_folder(warm_up_root, WARM_UP_BATCHES * args.batch_size, mean_side_px=256 if args.quick else 448)
-        dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(source) for f in fs)
+        dataset_bytes = tree_bytes(source)
         storage = prepare_storage(args.storage, source, cleanup, workdir)
         if storage.mode == "cgroup":
             mode = f"cgroup: {storage.detail}; throttled to {args.read_mbps:g} MB/s"

@@ -44,6 +44,7 @@ from torchvision import transforms as T
 
 import coordl
 from benchmarks import report
+from benchmarks.storage_env import tree_bytes
 from coordl.synthetic import make_image_folder
 
 SYSTEMS = ("synthetic", "torch", "coordl", "coordl-dali", "dali")
@@ -65,7 +66,7 @@ def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache
                                   device=dali_device)
     common = dict(batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=device == "cuda",
                   drop_last=True, persistent_workers=workers > 0)
-    cache = dict(cache_bytes=_folder_bytes(root) + 2**24, cache_name=cache_name)  # the whole dataset
+    cache = dict(cache_bytes=tree_bytes(root) + 2**24, cache_name=cache_name)  # the whole dataset
     if system == "torch":
         return torch.utils.data.DataLoader(torchvision.datasets.ImageFolder(root, transform=_transform()), **common)
     if system == "coordl":
@@ -74,10 +75,6 @@ def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache
         return coordl.DataLoader(torchvision.datasets.ImageFolder(root), **common, **cache, backend="dali",
                                  dali_pipeline="image_classification", dali_device=dali_device)
     raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
-
-
-def _folder_bytes(root: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(root) for name in names)
 
 
 class Step:
@@ -153,7 +150,8 @@ def measure(system: str, step: Step, root: str, args, trial: int) -> list[dict]:
 
 
 def _release(loader) -> None:
-    """Stop a loader's workers (torch's persistent ones, DALI's pipeline) before the next system runs."""
+    """Stop a torch DataLoader's persistent workers before the next system runs (coordl's loaders are closed
+    by their ``with``; DALI's pipeline goes with its loader)."""
     if isinstance(loader, torch.utils.data.DataLoader) and not isinstance(loader, coordl.DataLoader):
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None:
@@ -214,7 +212,7 @@ def analyze(system: str, root: str, args, out_dir: str) -> dict:
     elapsed = time.perf_counter() - started
     print(done.stdout[-3000:], done.stderr[-2000:], sep="\n", flush=True)
     if done.returncode != 0:
-        return {"system": system, "error": f"coordl analyze exited {done.returncode}", "analysis_s": elapsed}
+        return {"system": system, "failed": f"coordl analyze exited {done.returncode}", "analysis_s": elapsed}
     with open(os.path.join(folder, "analysis.json")) as f:
         analysis = json.load(f)
     return {"system": system, "predicted_samples_per_s": analysis["predicted_samples_per_s"],
@@ -262,8 +260,8 @@ def write_markdown(path: str, summary: list[dict], analyses: list[dict], failed:
     if analyses:
         lines += ["", "| analyzed job | predicted | measured | error | bottleneck | analysis s |", "|---|---|---|---|---|---|"]
         for a in analyses:
-            if "error" in a and isinstance(a["error"], str):
-                lines.append(f"| {a['system']} | {a['error']} | | | | {a['analysis_s']:.0f} |")
+            if "failed" in a:
+                lines.append(f"| {a['system']} | {a['failed']} | | | | {a['analysis_s']:.0f} |")
             else:
                 lines.append(f"| {a['system']} | {a['predicted_samples_per_s']:.0f} | {a['measured_samples_per_s']:.0f} "
                              f"| {100 * a['error']:+.1f}% | {a['bottleneck']} | {a['analysis_s']:.0f} |")

@@ -21,7 +21,7 @@ import tempfile
 from benchmarks import cache_sim, metrics, report
 from benchmarks.storage_env import (BUDGET_TOLERANCE, FOLLOW_WINDOW_S, HEADROOM_BYTES, PREFIX, SLACK_BYTES,
                                     ChildResult, Cleanup, Storage, evict_files, over_budget, prepare_storage,
-                                    run_child, warm_files)
+                                    run_child, tree_bytes, warm_files)
 from benchmarks.systems import COORDL_SYSTEMS, PREP_SYSTEMS, SYSTEMS, child_command, skip_reason
 
 MODES = {
@@ -234,10 +234,6 @@ def run_order(reps: int, fractions: list[float], systems: list[str]) -> list[tup
     return order
 
 
-def _tree_bytes(root: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from coordl.synthetic import make_image_folder
@@ -274,7 +270,7 @@ def main(argv=None) -> int:
         broken = {}
         for system in (s for s in everything if s not in skipped):
             try:
-                bench.warm_up(system, warm_up_root, _tree_bytes(warm_up_root))
+                bench.warm_up(system, warm_up_root, tree_bytes(warm_up_root))
             except RunFailed as e:
                 broken[system] = e.record
                 print(f"{system}: FAILED: {e}", flush=True)

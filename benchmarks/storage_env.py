@@ -231,6 +231,11 @@ def _emulated(requested: str, source: str, why: str) -> Storage:
     return Storage("emulated", "emulated store", source, f"FALLBACK, cgroup mode unavailable: {why}")
 
 
+def tree_bytes(root: str) -> int:
+    """Bytes of the files under ``root``."""
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(root) for name in names)
+
+
 def evict_files(root: str) -> None:
     """Drop every file under ``root`` from the OS page cache (the part of ``drop_caches`` that matters,
     without evicting the libraries every system would then re-read)."""

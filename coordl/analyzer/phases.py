@@ -376,6 +376,16 @@ def _group_feed(ledger):
     return feed if isinstance(feed, GroupFeed) else None
 
 
+def _prep_options(loader) -> dict:
+    """How the loader's workers prepare: ``num_workers``, ``collate_fn``, ``worker_init_fn``,
+    ``multiprocessing_context``, ``prefetch_factor`` (an hp_group member's: its share's loader's)."""
+    group = _group_feed(loader.epoch_ledger)
+    if group is not None:
+        return dict(group.loader_options, collate_fn=group.collate_fn)
+    return dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
+                multiprocessing_context=loader.multiprocessing_context, prefetch_factor=loader.prefetch_factor)
+
+
 class _Replay(torch.utils.data.Dataset):
     """Fresh copies of one batch, as a worker sends what it has prepared (nothing fetched or prepared)."""
 
@@ -397,11 +407,8 @@ def _handover(loader, batch):
     """Batches from as many worker processes as ``loader`` has (an hp_group member: as its share's loader
     has), each a copy of ``batch`` (None without workers: the training process loads, so nothing is handed
     over)."""
-    group = _group_feed(loader.epoch_ledger)
-    options = group.loader_options if group is not None else dict(
-        num_workers=loader.num_workers, multiprocessing_context=loader.multiprocessing_context,
-        prefetch_factor=loader.prefetch_factor)
-    if not options.get("num_workers"):
+    options = _prep_options(loader)
+    if not options["num_workers"]:
         return None
     batches = iter(torch.utils.data.DataLoader(
         _Replay(batch), batch_sampler=itertools.repeat([0]), num_workers=options["num_workers"], collate_fn=_as_is,
@@ -422,12 +429,9 @@ def measure_rates(loader, samples: int) -> dict:
     (see the module's docstring)."""
     batch_size = _measured[0].batch_size
     dataset, dali, group = loader.dataset, _dali(loader.epoch_ledger), _group_feed(loader.epoch_ledger)
+    prep = _prep_options(loader)
     if group is not None:  # a member prepares its share on its own workers or DALI pipeline, from the fetch path
         dataset, dali = dataset.unfed(), group.dali
-        prep = dict(group.loader_options, collate_fn=group.collate_fn)
-    else:
-        prep = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
-                    multiprocessing_context=loader.multiprocessing_context)
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
     rank, ranks = _sharers()
     cores = max(1, len(os.sched_getaffinity(0)) // ranks)  # this rank's share
@@ -506,9 +510,9 @@ class _Held(torch.utils.data.Dataset):
 
 
 def _prep_rate(options: dict, samples: torch.utils.data.Dataset, batch_size: int) -> tuple[float, float]:
-    """Samples/s of workers as the loader's (``options``: ``num_workers``, ``collate_fn``, ``worker_init_fn``,
-    ``multiprocessing_context``) preparing ``samples`` (nothing read from storage), and the CPU seconds they
-    take per pass (the workers', or the training process's where it prepares)."""
+    """Samples/s of workers as the loader's (``options``: :func:`_prep_options`) preparing ``samples`` (nothing
+    read from storage), and the CPU seconds they take per pass (the workers', or the training process's where
+    it prepares)."""
     workers = options["num_workers"]
     prep = torch.utils.data.DataLoader(
         samples, batch_size=batch_size, num_workers=workers, collate_fn=options["collate_fn"],
