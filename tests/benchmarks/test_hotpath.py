@@ -52,6 +52,12 @@ def test_untimed_coordl_reads_no_clock_in_the_workers_and_is_compared_with_coord
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     with open(out / "results.json") as f:
-        point, = json.load(f)["points"]
+        result = json.load(f)
+    point, = result["points"]
     assert "coordl_over_torch" not in point and point["timed_over_untimed"]["n"] == 2
-    assert "coordl / coordl-untimed" in (out / "results.md").read_text()
+    timers, = result["timer_cost"]  # the clock's cost in-process, on the workload measured
+    assert timers["workload"] == "bytes" and timers["timed_batch_us"]["n"] == timers["untimed_batch_us"]["n"] == 15
+    assert timers["cost_us"] == timers["timed_batch_us"]["min"] - timers["untimed_batch_us"]["min"]
+    assert timers["cost_fraction"] == timers["cost_us"] / timers["timed_batch_us"]["min"]
+    text = (out / "results.md").read_text()
+    assert "coordl / coordl-untimed" in text and "The live split's clock, in-process, bytes batches" in text
