@@ -195,6 +195,7 @@ def main(argv=None) -> int:
                           measured_samples_per_s=measured["median"], measured_spread=measured,
                           error=analysis["predicted_samples_per_s"] / measured["median"] - 1,
                           bottleneck=analysis["bottleneck"], rates=analysis["rates"],
+                          contention=analysis.get("contention", 1.0),
                           analysis_s=analysis["analysis_s"], flags=analysis.get("flags", []),
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
                           hit_fraction=[r["hit_fraction"] for r in runs])

@@ -1,13 +1,14 @@
 """A small training script for tests/integration/test_analyzer.py, run by ``coordl analyze``.
 
-``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--fail-at B [--only-in-phase PHASE]]
-[--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali] [--hp-group NAME]
-[--hp-group-size K] [--rebuilt torch|accelerate]``: an ImageFolder at ROOT through ``coordl.DataLoader`` (or torch's,
-``--torch-loader``; or, ``--rebuilt``, a torch DataLoader built from the coordl loader's dataset, batch sampler
-and collate function, or Accelerate's ``prepare``d one), persistent workers, a training step of ``S``
-seconds, leaving each epoch after K batches; ``--fail-at B`` raises at batch B (only in coordl
-analyze's PHASE); ``--ddp``: a rank of a torchrun job (gloo, a DistributedSampler, an all-reduce each
-step, so the ranks go in step); ``--backend``, ``--hp-group``, ``--hp-group-size``: ``coordl.DataLoader``'s.
+``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--prep-s T] [--fail-at B
+[--only-in-phase PHASE]] [--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali]
+[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate]``: an ImageFolder at ROOT through
+``coordl.DataLoader`` (or torch's, ``--torch-loader``; or, ``--rebuilt``, a torch DataLoader built from the coordl
+loader's dataset, batch sampler and collate function, or Accelerate's ``prepare``d one), persistent workers, a
+training step of ``S`` seconds (and ``T`` seconds more prep per sample, waited), leaving each epoch after K
+batches; ``--fail-at B`` raises at batch B (only in coordl analyze's PHASE); ``--ddp``: a rank of a torchrun job
+(gloo, a DistributedSampler, an all-reduce each step, so the ranks go in step); ``--backend``, ``--hp-group``,
+``--hp-group-size``: ``coordl.DataLoader``'s.
 """
 
 import argparse
@@ -21,12 +22,24 @@ from torchvision import transforms
 import coordl
 
 
+class Pause:
+    """A transform that waits ``seconds`` (slow prep that takes no core)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, image):
+        time.sleep(self.seconds)
+        return image
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--step-s", type=float, default=0.0)
+    parser.add_argument("--prep-s", type=float, default=0.0)
     parser.add_argument("--fail-at", type=int)
     parser.add_argument("--only-in-phase", help="fail (--fail-at) only in this phase of coordl analyze")
     parser.add_argument("--torch-loader", action="store_true")
@@ -39,7 +52,7 @@ def main() -> None:
     parser.add_argument("--rebuilt", choices=["torch", "accelerate"])
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
-        [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor()]))
+        [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor(), Pause(args.prep_s)]))
     options = dict(batch_size=8, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0)
     if args.ddp:
         torch.distributed.init_process_group("gloo")

@@ -27,6 +27,12 @@ The training process and prep share the cores: with ``step_cpu_s`` and ``prep_cp
 sample (the training process's in the ingestion phase; prep's while ``P`` is measured), no more than
 ``cores / (step_cpu_s + prep_cpu_s)`` samples/s go through, however many workers there are; that bound
 is part of ``W`` (each of ``jobs`` jobs pays its own step, and its own prep unless coordinated).
+
+Workers that prepare while the training loop runs also take the cores at the moments the loop wants them
+(a worker starts its next batch as the loop takes the last one), which neither ``G`` (the loop alone) nor
+``P`` (prep alone) contains: the loop, fed batches its workers prepare from memory, reaches ``Q``, the
+``contention`` ``Q / min(W, G)`` of what the two alone allow (at most 1; measured with nothing fetched).
+The prediction is ``min(F, contention · min(W, G))``, and what the contention costs is prep stall.
 """
 
 import dataclasses
@@ -58,6 +64,8 @@ class Pipeline:
             ``samples / ranks`` of an epoch; the job's samples/s is ``ranks`` times the prediction.
         step_cpu_s, prep_cpu_s: CPU seconds per sample of the training process (the step and taking its
             batch) and of prep (0: not measured, no CPU bound).
+        contention: the share of ``min(W, G)`` the training loop reaches while its workers prepare (see the
+            module's docstring; 1: none, or not measured).
     """
 
     samples: int
@@ -78,6 +86,7 @@ class Pipeline:
     ranks: int = 1
     step_cpu_s: float = 0.0
     prep_cpu_s: float = 0.0
+    contention: float = 1.0
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
@@ -86,6 +95,8 @@ class Pipeline:
         for name in ("L", "step_cpu_s", "prep_cpu_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} should be seconds at or above 0, but got {getattr(self, name)!r}")
+        if not 0 < self.contention <= 1:
+            raise ValueError(f"contention should be in (0, 1], but got {self.contention!r}")
         if self.R is not None and not self.R > 0:
             raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
         if not 0 <= self.cache_fraction <= 1:
@@ -141,17 +152,18 @@ class Pipeline:
 
     @property
     def predicted(self) -> float:
-        """Samples/s of one job: ``min(F, W, G)``; with no workers the training process fetches, prepares
-        and trains in turn, so the three times add up."""
+        """Samples/s of one job: ``min(F, contention · min(W, G))``; with no workers the training process
+        fetches, prepares and trains in turn, so the three times add up."""
         if self.workers == 0:
             return 1.0 / (1.0 / self.fetch_rate + 1.0 / self.prep_rate + 1.0 / self.G)
-        return min(self.fetch_rate, self.worker_rate, self.G)
+        return min(self.fetch_rate, self.contention * min(self.worker_rate, self.G))
 
     @property
     def bottleneck(self) -> str:
         """The least rate: ``"fetch"``, ``"prep"`` (the workers) or ``"ingestion"`` (no data stall). Workers
         that spend longer waiting for their misses than preparing are held by fetching."""
-        rates = {"ingestion": self.G, "prep": self.worker_rate, "fetch": self.fetch_rate}
+        c = self.contention
+        rates = {"ingestion": c * self.G, "prep": c * self.worker_rate, "fetch": self.fetch_rate}
         least = min(rates, key=lambda k: (rates[k], list(rates).index(k)))  # a tie: the stage nearest the step
         return "fetch" if least == "prep" and self._waits_more_than_prep() else least
 
@@ -171,7 +183,8 @@ class Pipeline:
         if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching the rest
             prep_s = samples / self.prep_rate
         else:  # prep's own rate, or the cores it takes from the training process
-            prep_s = max(0.0, samples / min(self.prep_rate, self.cpu_rate, self.G) - samples / self.G)
+            prep_s = max(0.0, samples / (self.contention * min(self.prep_rate, self.cpu_rate, self.G)) -
+                         samples / self.G)
         ideal_s = samples / self.G
         return {"ideal_s": ideal_s, "prep_s": prep_s, "fetch_s": max(0.0, samples / rate - ideal_s - prep_s)}
 
@@ -181,7 +194,7 @@ class Pipeline:
                      coordinated=None, R=None) -> "Pipeline":
         """The pipeline with another cache, worker count, storage ``storage_factor`` times as fast, servers,
         jobs or peer rate. More workers scale ``P`` in proportion to the processes doing prep, up to the
-        cores (the measured rate per process times the processes)."""
+        cores (the measured rate per process times the processes); the measured ``contention`` stays."""
         changes = {"S": self.S * storage_factor}
         if cache_fraction is not None:
             changes["cache_fraction"] = min(1.0, cache_fraction)
@@ -196,11 +209,11 @@ class Pipeline:
         return dataclasses.replace(self, **changes)
 
     def cache_knee(self) -> float | None:
-        """The least cache fraction at which fetching no longer limits the job (``F ≥ min(W, G)``); None
-        when no cache on this server can do it (the cache's own rate is below the target)."""
+        """The least cache fraction at which fetching no longer limits the job (``F ≥ contention · min(W, G)``);
+        None when no cache on this server can do it (the cache's own rate is below the target)."""
         def fits(x):
             p = self.with_changes(cache_fraction=x)
-            return p.fetch_rate >= min(p.worker_rate, p.G) * (1 - 1e-12)
+            return p.fetch_rate >= p.contention * min(p.worker_rate, p.G) * (1 - 1e-12)
 
         if not fits(1.0):
             return None

@@ -21,7 +21,10 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   nothing else running, over at least 2 passes and 5 s after a first that starts the workers; and the
   CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
   ``backend='dali'``, P is the loader's DALI pipeline (a second one with the same settings) preparing
-  those items, and the result says how many threads fetch ahead of it (``fetch_threads``).
+  those items, and the result says how many threads fetch ahead of it (``fetch_threads``). Then, where
+  torch's workers prepare for coordl.DataLoader's own iterator, ``Q``: the training loop's samples/s over
+  the timed window on batches that as many workers prepare from those items (nothing fetched, without end,
+  each pass in a new order), so the step and prep share the cores as in training.
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
 
@@ -158,6 +161,8 @@ def observe(loader, start):
     window = _measured[0] if _measured else _claim(loader)
     if window.phase == "ingestion" and window.first is not None:  # a later pass: the same batch, nothing loads
         return _Timed(window, None)
+    if window.phase == "rates":  # Q: every pass goes on with the same prepared batches
+        return _Timed(window, window.prepared)
     return _Timed(window, _own(start))
 
 
@@ -186,7 +191,8 @@ def _own(start):
 
 
 def _claim(loader) -> "_Window":
-    """Measure ``loader`` in this process's phase (the rates phase ends here, before any worker starts)."""
+    """Measure ``loader`` in this process's phase (the rates phase measures its rates here, before any of the
+    loader's workers starts, and ends here unless it goes on to measure ``Q``)."""
     _check_measurable(loader)
     window = _Window(loader, current())
     _measured.append(window)
@@ -195,7 +201,10 @@ def _claim(loader) -> "_Window":
         _member.append((group.group.slot, group.group.expected_members))
     open(result_path() + CLAIMED, "w").close()
     if window.phase == "rates":
-        _finish(measure_rates(loader, (window.warmup + window.iters) * window.batch_size))
+        window.rates, prepared = measure_rates(loader, (window.warmup + window.iters) * window.batch_size)
+        if prepared is None or isinstance(loader, _Parts) or not window.rates["workers"]:
+            _finish(window.rates)
+        window.prepared = _prepared(loader, prepared, window.batch_size)
     return window
 
 
@@ -237,7 +246,7 @@ class _Window:
                                "sampler with a batch_size attribute)")
         self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
-        self.cpu_started = None
+        self.cpu_started, self.rates, self.prepared = None, None, None  # the rates phase's, and Q's batches
         # batches torch draws before the loop has its first (counted only where the draws are: _Drawn)
         self.ahead = loader.num_workers * loader.prefetch_factor if isinstance(loader, _Parts) and \
             loader.num_workers else 0
@@ -262,6 +271,8 @@ class _Window:
         if self.phase == "run":
             hits, fetched = _hits(self.loader)
             out["hit_fraction"] = (hits - self.hits_before[0]) / max(1, fetched - self.hits_before[1])
+        if self.phase == "rates":  # the loop on prepared batches
+            return {**self.rates, "Q": out["samples_per_s"]}
         return out
 
 
@@ -284,7 +295,7 @@ class _Timed:
         return self
 
     def __len__(self) -> int:
-        return len(self._iterator if self._iterator is not None else self._window.loader)
+        return len(self._window.loader if self._iterator is None or self._window.phase == "rates" else self._iterator)
 
     def __next__(self):
         w = self._window
@@ -418,15 +429,33 @@ def _handover(loader, batch):
     return batches
 
 
+def _prepared(loader, samples: torch.utils.data.Dataset, batch_size: int):
+    """Batches of ``samples`` (cached or held: nothing fetched) prepared by workers as ``loader``'s, without end,
+    each pass in a new order (full batches only, unless there are fewer samples than a batch)."""
+    options = _prep_options(loader)
+
+    def batches():
+        order, rng = list(range(len(samples))), random.Random(1)
+        while True:
+            rng.shuffle(order)
+            yield from (order[i:i + batch_size] for i in range(0, max(1, len(order) - batch_size + 1), batch_size))
+
+    return iter(torch.utils.data.DataLoader(
+        samples, batch_sampler=batches(), num_workers=options["num_workers"], collate_fn=options["collate_fn"],
+        worker_init_fn=options.get("worker_init_fn"), multiprocessing_context=options.get("multiprocessing_context"),
+        prefetch_factor=options.get("prefetch_factor"), pin_memory=loader.pin_memory))
+
+
 def _hits(loader) -> tuple[int, int]:
     """Samples served from a cache (this server's or a peer's) and samples fetched, so far."""
     total = loader.stats().total
     return total.hits + total.peer_hits, total.hits + total.peer_hits + total.misses
 
 
-def measure_rates(loader, samples: int) -> dict:
+def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset | None]:
     """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
-    (see the module's docstring)."""
+    (see the module's docstring); and the samples P was measured on, where torch's workers prepared them (else
+    None)."""
     batch_size = _measured[0].batch_size
     dataset, dali, group = loader.dataset, _dali(loader.epoch_ledger), _group_feed(loader.epoch_ledger)
     prep = _prep_options(loader)
@@ -483,12 +512,14 @@ def measure_rates(loader, samples: int) -> dict:
         result["P_from"], indices, held = "cache", cached, dataset
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
         result["P_from"], indices, held = "memory", subset, _Held(source, subset, datas)
+    prepared = None
     if dali is None:
-        rate, cpu_s = _prep_rate(prep, torch.utils.data.Subset(held, indices), batch_size)
+        prepared = torch.utils.data.Subset(held, indices)
+        rate, cpu_s = _prep_rate(prep, prepared, batch_size)
     else:
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
-    return result
+    return result, prepared if group is None else None
 
 
 class _Held(torch.utils.data.Dataset):

@@ -21,6 +21,7 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
             "miss_wait_s": p.L,
             "cpu_s_per_sample": {"step": p.step_cpu_s, "prep": p.prep_cpu_s},
+            "contention": p.contention,
             "cpu_samples_per_s": None if math.isinf(p.cpu_rate) else p.cpu_rate,
             "fetch_samples_per_s": p.fetch_rate,
             "worker_samples_per_s": p.worker_rate,
@@ -63,7 +64,8 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
                             coordinated=bool(config.get("coordinated", False)), ranks=int(config.get("ranks", 1)),
                             fetch_threads=int(config.get("fetch_threads", 0)),
-                            step_cpu_s=float(cpu.get("step", 0.0)), prep_cpu_s=float(cpu.get("prep", 0.0)))
+                            step_cpu_s=float(cpu.get("step", 0.0)), prep_cpu_s=float(cpu.get("prep", 0.0)),
+                            contention=float(doc.get("contention", 1.0)))
     except KeyError as e:
         raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
     except (AttributeError, TypeError, ZeroDivisionError, ValueError) as e:
@@ -103,6 +105,9 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
     if p.L > 0 and not p.fetch_threads:
         lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.L * 1e3:.2f} ms "
                      "waited per miss)")
+    if p.contention < 1 and p.workers:
+        lines.append(f"  contention      {p.contention:10.3f}  (the share of min(W, G) the loop reaches while its "
+                     "workers prepare)")
     lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
     if measured is not None:
         hits = p.cache_fraction if measured_hits is None else measured_hits

@@ -7,6 +7,7 @@ in a process the end of the phase killed).
 """
 
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -23,7 +24,8 @@ from coordl.analyzer import phases
 from coordl.analyzer.model import Pipeline
 
 PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and over)",
-                "rates": "S, C, P: storage, cache and prep, with the training loop idle",
+                "rates": "S, C, P: storage, cache and prep, with the training loop idle; Q: the loop on prepared "
+                         "batches",
                 "run": "the script as configured"}
 STOP_GRACE_S = 5.0
 TORCH_SHM = "/dev/shm"
@@ -181,7 +183,7 @@ def _combine(ranks: list[dict]) -> dict:
     and a job's samples/s the slowest member's."""
     out = dict(ranks[0])
     together = ("S", "C", "P", "cores") if out.get("hp_group") else ()
-    for key in ("samples_per_s", "S", "C", "P"):
+    for key in ("samples_per_s", "S", "C", "P", "Q"):
         if key in out and key not in together:
             out[key] = min(r[key] for r in ranks)
     for key in together:
@@ -237,6 +239,9 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
                         S=rates["S"], C=rates["C"], L=rates["L"], cores=rates["cores"],
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes),
                         step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"], **shape)
+    if rates.get("Q") is not None:  # Q had nothing to fetch: of what W and G allow with no misses
+        alone = pipeline.with_changes(cache_fraction=1.0)
+        pipeline = dataclasses.replace(pipeline, contention=min(1.0, rates["Q"] / min(alone.worker_rate, alone.G)))
     return pipeline, {"results": results, "flags": flags}
 
 
@@ -259,7 +264,7 @@ def main(args) -> int:
     except PhaseFailed as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
         for phase, result in e.measured.items():  # the partial report
-            rates = {k: round(v, 1) for k, v in result.items() if k in ("samples_per_s", "S", "C", "P") and v}
+            rates = {k: round(v, 1) for k, v in result.items() if k in ("samples_per_s", "S", "C", "P", "Q") and v}
             print(f"measured before that, {phase}: " + ", ".join(f"{k}={v}" for k, v in rates.items()),
                   file=sys.stderr)
         return 1

@@ -34,7 +34,7 @@ def test_quick_run(tmp_path):
     assert sorted(c["cache_fraction"] for c in configs) == [0.0, 1.0]
     for c in configs:
         assert c["error"] == pytest.approx(c["predicted_samples_per_s"] / c["measured_samples_per_s"] - 1)
-        assert c["measured_spread"]["n"] == 1 and c["analysis_s"] > 0
+        assert c["measured_spread"]["n"] == 1 and c["analysis_s"] > 0 and 0 < c["contention"] <= 1
         assert (out / "analyses").is_dir()
     errors = sorted(abs(c["error"]) for c in configs)
     assert result["max_abs_error"] == errors[-1] and result["median_abs_error"] == pytest.approx(sum(errors) / 2)

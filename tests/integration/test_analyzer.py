@@ -36,7 +36,12 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert doc["dataset"]["samples"] == 96
     assert doc["dataset"]["bytes"] == pytest.approx(sum(os.path.getsize(os.path.join(d, f))
                                                         for d, _, fs in os.walk(image_root) for f in fs))
-    assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], doc["worker_samples_per_s"], rates["G"])
+    q = doc["phases"]["rates"]["Q"]  # the loop on batches its worker prepares from memory
+    assert 0 < q <= BATCH / step_s
+    alone = min(rates["P"], doc["cpu_samples_per_s"], rates["G"])  # what W and G allow with nothing to fetch
+    assert doc["contention"] == pytest.approx(min(1.0, q / alone))
+    assert doc["predicted_samples_per_s"] == pytest.approx(min(
+        doc["fetch_samples_per_s"], doc["contention"] * min(doc["worker_samples_per_s"], rates["G"])))
     assert doc["miss_wait_s"] > 0 and doc["worker_samples_per_s"] <= rates["P"]  # 1 worker waits for its misses
     assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert 0 <= doc["measured_hit_fraction"] <= 1
@@ -64,9 +69,24 @@ def test_a_loader_a_framework_rebuilds_from_the_parts_is_measured(image_root, tm
     doc = json.load(open(tmp_path / "analysis.json"))
     assert 0.5 * BATCH / step_s < doc["rates"]["G"] <= BATCH / step_s
     assert all(doc["rates"][k] > 0 for k in "PSC") and doc["phases"]["rates"]["workers"] == 2
+    assert "Q" not in doc["phases"]["rates"] and doc["contention"] == 1.0  # torch's iterator, not coordl's, runs
     assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert doc["phases"]["ingestion"]["iters"] == doc["phases"]["run"]["iters"] == 20
     assert not list(tmp_path.glob("*.claimed"))
+
+
+def test_the_rates_phase_goes_on_with_the_loop_taking_batches_its_workers_prepare(image_root, tmp_path):
+    """Q: after P, the loop takes batches that a worker as the loader's prepares from the measured items. With
+    prep (4 ms a sample, no core) far slower than the step (none), Q is prep's pace, not the loop's."""
+    prep_s = 0.004
+    proc = _analyze(tmp_path, image_root, "--prep-s", str(prep_s))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    rates = doc["phases"]["rates"]
+    assert rates["P"] <= 1 / prep_s and doc["rates"]["G"] > 2 * rates["P"]  # copies come far faster than prep
+    assert 0.7 * rates["P"] <= rates["Q"] <= 1.2 * rates["P"]
+    assert doc["contention"] == pytest.approx(min(1.0, rates["Q"] / min(rates["P"], doc["rates"]["G"])), rel=0.05)
+    assert "Q: the loop on prepared batches" in proc.stdout
 
 
 def test_a_failing_script_is_reported_with_its_last_lines(image_root, tmp_path):
@@ -111,6 +131,7 @@ def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path)
     assert doc["config"]["cache_bytes"] == 0 and doc["phases"]["rates"]["C_from"] == "memory copy"
     assert any("stands for a cache hit" in f for f in doc["flags"])
     assert doc["fetch_samples_per_s"] == pytest.approx(doc["rates"]["S"])  # nothing cached: F = S
+    assert doc["phases"]["rates"]["P_from"] == "memory" and doc["phases"]["rates"]["Q"] > 0  # from the bytes held
 
 
 def test_a_torchrun_job_is_measured_rank_by_rank(image_root, tmp_path):
@@ -124,7 +145,8 @@ def test_a_torchrun_job_is_measured_rank_by_rank(image_root, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.load(open(tmp_path / "analysis.json"))
     assert doc["config"]["ranks"] == 2 and "2 ranks" in proc.stdout
-    for phase, key in (("ingestion", "samples_per_s"), ("rates", "P"), ("rates", "S"), ("run", "samples_per_s")):
+    for phase, key in (("ingestion", "samples_per_s"), ("rates", "P"), ("rates", "S"), ("rates", "Q"),
+                       ("run", "samples_per_s")):
         ranks = doc["phases"][phase]["ranks"]
         assert len(ranks) == 2 and doc["phases"][phase][key] == min(r[key] for r in ranks)
     assert [r["subset"] for r in doc["phases"]["rates"]["ranks"]] == [48, 48]  # 96 images: half each
@@ -154,6 +176,7 @@ def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_
     assert rates["backend"] == "dali" and rates["workers"] == 2 and rates["fetch_threads"] == 2
     assert rates["P_from"] == ("cache" if cache == "auto" else "memory") and rates["P"] > 0
     assert doc["config"]["fetch_threads"] == 2 and doc["worker_samples_per_s"] == doc["rates"]["P"]
+    assert "Q" not in rates and doc["contention"] == 1.0  # DALI prepares in the training process
     assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], doc["rates"]["P"], doc["rates"]["G"])
     assert doc["rates"]["G"] <= BATCH / step_s and 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert "DALI: 2 prep and 2 fetch threads" in proc.stdout and "threads (num_workers=)" in proc.stdout
@@ -180,6 +203,7 @@ def test_the_jobs_of_an_hp_group_are_measured_member_by_member(image_root, tmp_p
     assert [m["subset"] for m in members] == [48, 48]  # 96 images: half each
     for key in ("S", "C", "P", "cores"):
         assert rates[key] == pytest.approx(sum(m[key] for m in members))
+    assert "Q" not in rates and doc["contention"] == 1.0
     assert doc["config"]["workers"] == 2 * members[0]["workers"]
     for phase in ("ingestion", "run"):
         ranks = doc["phases"][phase]["ranks"]

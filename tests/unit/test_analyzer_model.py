@@ -152,15 +152,38 @@ def test_the_cores_bound_the_step_and_prep_together_whatever_the_workers():
     assert dali.predicted == pytest.approx(800.0)  # DALI's threads and the training process share the cores too
 
 
+def test_contention_scales_what_prep_and_the_step_allow_together_and_costs_prep_stall():
+    """G 900, P 600 (4 workers), 8 cores; the loop reaches 0.9 of min(W, G) while the workers prepare."""
+    alone, shared = Pipeline(**{**BASE, "cache_fraction": 1.0}), Pipeline(**{**BASE, "cache_fraction": 1.0,
+                                                                              "contention": 0.9})
+    assert shared.predicted == pytest.approx(0.9 * alone.predicted) == pytest.approx(540.0)
+    assert shared.bottleneck == "prep"
+    stall = shared.stalls()
+    assert stall["prep_s"] == pytest.approx(shared.samples / 540.0 - shared.samples / shared.G)
+    assert stall["fetch_s"] == pytest.approx(0.0, abs=1e-9)
+    step_bound = shared.with_changes(workers=8)  # P 1200: the step binds, and still only 0.9 of it
+    assert step_bound.contention == 0.9 and step_bound.predicted == pytest.approx(810.0)
+    assert step_bound.bottleneck == "ingestion" and step_bound.stalls()["prep_s"] > 0
+    fetch_bound = shared.with_changes(cache_fraction=0.3)  # F (214) below 540: contention does not matter
+    assert fetch_bound.predicted == pytest.approx(fetch_bound.fetch_rate) and fetch_bound.bottleneck == "fetch"
+    knee = shared.cache_knee()  # fetching needs to reach only 540, not 600
+    assert shared.with_changes(cache_fraction=knee).fetch_rate == pytest.approx(540.0, rel=1e-4)
+    assert knee < alone.cache_knee()
+    assert "contention" in analyzer.describe(shared) and "contention" not in analyzer.describe(alone)
+    no_workers = Pipeline(**{**BASE, "workers": 0, "contention": 0.5})  # the loop prepares: nothing to contend
+    assert no_workers.predicted == pytest.approx(Pipeline(**{**BASE, "workers": 0}).predicted)
+
+
 @pytest.mark.parametrize("field, value", [("G", 0.0), ("S", -1.0), ("cache_fraction", 1.5), ("cores", 0),
-                                          ("prep_cpu_s", -0.1)])
+                                          ("prep_cpu_s", -0.1), ("contention", 0.0), ("contention", 1.2)])
 def test_a_wrong_rate_or_setting_is_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         Pipeline(**{**BASE, field: value})
 
 
 def test_an_analysis_round_trips_through_its_json(tmp_path):
-    p = Pipeline(**{**BASE, "R": 2000.0, "L": 0.001, "fetch_threads": 3, "step_cpu_s": 0.001, "prep_cpu_s": 0.004})
+    p = Pipeline(**{**BASE, "R": 2000.0, "L": 0.001, "fetch_threads": 3, "step_cpu_s": 0.001, "prep_cpu_s": 0.004,
+                    "contention": 0.93})
     path = str(tmp_path / "analysis.json")
     analyzer.save(path, p, measured=205.0)
     doc = json.load(open(path))
