@@ -78,3 +78,21 @@ def test_a_script_with_no_gpu_is_not_made_to_wait(monkeypatch, tmp_path):
             gpu.clock.now += 0.25
     assert gpu.synced_at == []
     assert json.loads((tmp_path / "result.json").read_text())["samples_per_s"] == pytest.approx(2 * 4 / 0.5)
+
+
+def _plain_loader():
+    """What ``phases._prepared`` reads of a loader: in-process, batches as lists."""
+    return types.SimpleNamespace(epoch_ledger=types.SimpleNamespace(feed=None), num_workers=0,
+                                 collate_fn=lambda batch: batch, worker_init_fn=None, multiprocessing_context=None,
+                                 prefetch_factor=None, pin_memory=False)
+
+
+def test_q_gets_full_batches_without_end_each_pass_in_a_new_order():
+    batches = phases._prepared(_plain_loader(), [f"s{i}" for i in range(10)], batch_size=4)
+    taken = [next(batches) for _ in range(50)]  # far past the first pass
+    assert all(len(b) == 4 for b in taken)  # full batches: the two left over each pass are not a short one
+    passes = [taken[k] + taken[k + 1] for k in range(0, 50, 2)]
+    assert all(len(set(p)) == 8 and set(p) <= {f"s{i}" for i in range(10)} for p in passes)  # no sample twice
+    assert len({tuple(p) for p in passes}) == len(passes)  # each pass in its own order
+    few = phases._prepared(_plain_loader(), ["a", "b", "c"], batch_size=4)
+    assert [sorted(next(few)) for _ in range(3)] == [["a", "b", "c"]] * 3  # fewer than a batch: all of them
