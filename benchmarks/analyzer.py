@@ -8,6 +8,17 @@ device of its own, read through a cgroup that throttles (and counts) that device
 2. the same script runs ``--reps`` times as configured for ``--epochs`` epochs; the measured throughput is
    the median over runs of the epochs after the first (the cache filled) samples/s.
 
+With ``--analyses N`` (at most ``--reps``), the configuration is analyzed N times, each analysis just
+before one of the runs, and the prediction is their median (``predicted_spread``): the analyses and the
+runs then see the same stretches of a machine whose speed moves.
+
+The multi-server rows (``--servers N``, default 2; 0: none) run the job over N servers with partitioned
+caching, each server a network and mount namespace of its own (``tests/cluster.py``) with its own cgroup
+throttling the device to the row's MB/s, its own cache of the row's fraction of the dataset, one rank and
+one core (``taskset``): every server runs ``coordl analyze`` of its torchrun node at once, the prediction
+is the slowest server's, and the measured throughput a rank's (the ranks all-reduce after each step, so
+they go at the slowest one's pace).
+
 Every run gets a fresh cgroup and a shm folder of its own (no cache carries over); the loader drops
 what it reads from the page cache (``drop_page_cache=True``), so each epoch's misses come from the
 device, which the cgroup's counters check (``device_bytes_per_epoch``). Configurations run in a shuffled
@@ -21,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import statistics
 import sys
@@ -36,12 +48,21 @@ from benchmarks.storage_env import (PREFIX, Cleanup, cgroup_version, device_read
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analyzer_job.py")
 FULL = dict(fractions=(0.0, 0.25, 0.5, 0.75, 1.0), mbps=(10.0, 20.0, 40.0), workers=(1, 2), reps=3)
 QUICK = dict(fractions=(0.0, 1.0), mbps=(10.0,), workers=(1,), reps=1)
+SERVERS_FULL = dict(fractions=(0.25, 0.5), mbps=(10.0, 20.0, 40.0), workers=(1,))
+SERVERS_QUICK = dict(fractions=(0.25,), mbps=(20.0,), workers=(1,))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.analyzer", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where results.json, setup.json, results.md and the plot go")
     parser.add_argument("--quick", action="store_true", help="2 configurations, 1 run each, a small dataset")
+    parser.add_argument("--servers", type=int, default=2,
+                        help="servers of the multi-server rows (default 2; 0: no multi-server rows)")
+    parser.add_argument("--multi-server-only", action="store_true", help="only the multi-server rows")
+    parser.add_argument("--workers", type=int, nargs="+", help="the one-server rows' workers (default 1 2)")
+    parser.add_argument("--analyses", type=int, default=1,
+                        help="analyses per configuration, each before one of the runs (more than 1: the prediction "
+                             "is their median; default 1)")
     add_job_arguments(parser, epochs=3)
     return parser.parse_args(argv)
 
@@ -89,19 +110,77 @@ def analyze(cleanup, storage, config: dict, args, out_dir: str) -> dict:
     group = _cgroup(cleanup, storage.cgroup_version, storage.device, config["read_mbps"])
     started = time.monotonic()
     _run([sys.executable, "-m", "coordl.cli", "analyze", "--out", out_dir, "--iters", str(args.iters),
-          "--warmup", str(args.warmup), "--", sys.executable, JOB, storage.root,
-          "--cache-bytes", str(config["cache_bytes"]), "--workers", str(config["workers"]),
-          "--step-ms", str(args.step_ms)], group, 1800)
+          "--warmup", str(args.warmup), "--", sys.executable, JOB, storage.root, *_job_args(config, args)], group,
+         1800)
     with open(os.path.join(out_dir, "analysis.json")) as f:
         return {**json.load(f), "analysis_s": time.monotonic() - started}
+
+
+def _job_args(config: dict, args) -> list[str]:
+    return [str(a) for a in ("--cache-bytes", config["cache_bytes"], "--workers", config["workers"], "--step-ms",
+                             args.step_ms)]
+
+
+def _on_servers(storage, config: dict, work: str, argv_of) -> tuple[list[str], int]:
+    """Run ``JOB`` on ``config["servers"]`` fresh servers, server k's torchrun node under ``argv_of(k)`` on
+    core k; their logs and the device bytes they read. Raises RuntimeError: one failed."""
+    from tests.cluster import Cluster
+    n = config["servers"]
+    cores = sorted(os.sched_getaffinity(0))
+    with Cluster(n, os.path.join(work, f"cluster-{time.monotonic_ns()}"), device=storage.device,
+                 read_bps=int(config["read_mbps"] * 1e6), isolation="netns") as cluster:
+        secret = secrets.token_hex(16)  # the job's, the same on every server
+        for k in range(n):
+            prefix, job = argv_of(k)
+            cluster.launch(k, JOB, job, env={"COORDL_PEER_SECRET": secret},
+                           prefix=["taskset", "-c", str(cores[k % len(cores)]), *prefix])
+        codes = cluster.wait(1800)
+        logs = [cluster.log(k) for k in range(n)]
+        if codes != [0] * n:
+            raise RuntimeError(f"{config}: exit codes {codes}\n" + "\n".join(log[-3000:] for log in logs))
+        return logs, sum(cluster.device_read_bytes(k) for k in range(n))
+
+
+def analyze_servers(cleanup, storage, config: dict, args, out_dir: str) -> dict:
+    """``coordl analyze`` on every server of ``config`` at once: the slowest server's analysis.json (each
+    server's in ``out_dir/server<k>``), and how long it took."""
+    outs = [os.path.join(out_dir, f"server{k}") for k in range(config["servers"])]
+    started = time.monotonic()
+    _on_servers(storage, config, cleanup.workdir(args.workdir), lambda k: (
+        [sys.executable, "-m", "coordl.cli", "analyze", "--out", outs[k], "--iters", str(args.iters), "--warmup",
+         str(args.warmup), "--"], [storage.root, *_job_args(config, args)]))
+    docs = []
+    for out in outs:
+        with open(os.path.join(out, "analysis.json")) as f:
+            docs.append(json.load(f))
+    slowest = min(docs, key=lambda d: d["predicted_samples_per_s"])
+    return {**slowest, "analysis_s": time.monotonic() - started,
+            "servers_predicted": [d["predicted_samples_per_s"] for d in docs]}
+
+
+def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
+    """One run of the job over ``config["servers"]`` servers: a rank's steady samples/s (the slowest's),
+    device bytes per epoch (all servers), the hits' shares from the own cache and from the peers."""
+    out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
+    _, read = _on_servers(storage, config, work, lambda k: (
+        [], [storage.root, *_job_args(config, args), "--epochs", str(args.epochs), "--out", out]))
+    ranks = []
+    for rank in range(config["servers"]):
+        with open(f"{out}.rank{rank}") as f:
+            ranks.append(json.load(f)[1:])
+    steady = [e for epochs in ranks for e in epochs]
+    fetched = max(1, sum(e["hits"] + e["peer_hits"] + e["misses"] for e in steady))
+    return {"samples_per_s": min(sum(e["samples"] for e in epochs) / sum(e["time_s"] for e in epochs)
+                                 for epochs in ranks),
+            "device_bytes_per_epoch": read / args.epochs, "hit_fraction": sum(e["hits"] for e in steady) / fetched,
+            "peer_hit_fraction": sum(e["peer_hits"] for e in steady) / fetched}
 
 
 def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     """One run of the job as configured: its steady epochs' samples/s and device bytes per epoch."""
     group = _cgroup(cleanup, storage.cgroup_version, storage.device, config["read_mbps"])
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
-    _, read = _run([sys.executable, JOB, storage.root, "--cache-bytes", str(config["cache_bytes"]),
-                    "--workers", str(config["workers"]), "--epochs", str(args.epochs), "--step-ms", str(args.step_ms),
+    _, read = _run([sys.executable, JOB, storage.root, *_job_args(config, args), "--epochs", str(args.epochs),
                     "--out", out], group, 1800)
     with open(out) as f:
         epochs = json.load(f)
@@ -118,10 +197,10 @@ def plot(configs: list[dict], out_dir: str) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    groups = sorted({(c["read_mbps"], c["workers"]) for c in configs})
+    groups = sorted({(c["read_mbps"], c["workers"], c["servers"]) for c in configs})
     fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
-    for ax, (mbps, workers) in zip(axes[0], groups):
-        mine = sorted((c for c in configs if (c["read_mbps"], c["workers"]) == (mbps, workers)),
+    for ax, (mbps, workers, servers) in zip(axes[0], groups):
+        mine = sorted((c for c in configs if (c["read_mbps"], c["workers"], c["servers"]) == (mbps, workers, servers)),
                       key=lambda c: c["cache_fraction"])
         xs = [100 * c["cache_fraction"] for c in mine]
         ax.plot(xs, [c["predicted_samples_per_s"] for c in mine], "o--", label="predicted min(F, P, G)")
@@ -129,12 +208,17 @@ def plot(configs: list[dict], out_dir: str) -> list[str]:
                     yerr=[[c["measured_samples_per_s"] - c["measured_spread"]["min"] for c in mine],
                           [c["measured_spread"]["max"] - c["measured_samples_per_s"] for c in mine]],
                     fmt="s-", label="measured", capsize=3)
-        ax.set_title(f"{mbps:g} MB/s, {workers} worker{'s' if workers > 1 else ''}")
-        ax.set_xlabel("cache, % of the dataset")
+        ax.set_title(f"{mbps:g} MB/s, {workers} worker{'s' if workers > 1 else ''}" +
+                     (f", {servers} servers" if servers > 1 else ""))
+        ax.set_xlabel("cache per server, % of the dataset")
         ax.set_ylabel("samples/s")
         ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=8)
     return [report.save(fig, plt, os.path.join(out_dir, "analyzer.png"))]
+
+
+def _spread(s: dict) -> str:
+    return f"{s['median']:.1f}" + (f" [{s['min']:.1f}–{s['max']:.1f}]" if s["n"] > 1 else "")
 
 
 def markdown(result: dict, setup: dict) -> str:
@@ -142,12 +226,12 @@ def markdown(result: dict, setup: dict) -> str:
              f"{setup['provenance']['git_sha']}; `{setup['provenance']['command']}`\n",
              f"median |error| {result['median_abs_error']:.1%}, max |error| {result['max_abs_error']:.1%} over "
              f"{len(result['configs'])} configurations\n",
-             "| cache | MB/s | workers | predicted | measured [min–max] | error | bottleneck | analysis s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for c in sorted(result["configs"], key=lambda c: (c["read_mbps"], c["workers"], c["cache_fraction"])):
-        s = c["measured_spread"]
-        lines.append(f"| {c['cache_fraction']:.0%} | {c['read_mbps']:g} | {c['workers']} | "
-                     f"{c['predicted_samples_per_s']:.1f} | {s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}] | "
+             "| servers | cache | MB/s | workers | predicted [min–max] | measured [min–max] | error | bottleneck | "
+             "analysis s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(result["configs"], key=lambda c: (c["servers"], c["read_mbps"], c["workers"], c["cache_fraction"])):
+        lines.append(f"| {c['servers']} | {c['cache_fraction']:.0%} | {c['read_mbps']:g} | {c['workers']} | "
+                     f"{_spread(c['predicted_spread'])} | {_spread(c['measured_spread'])} | "
                      f"{c['error']:+.1%} | {c['bottleneck']} | {c['analysis_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -168,10 +252,22 @@ def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
     return work, storage, sizes
 
 
+def _configs(grid: dict, servers: int, dataset_bytes: int, sizes: list[int]) -> list[dict]:
+    """The grid's configurations on ``servers`` servers, each server's cache the fraction of the dataset."""
+    return [{"cache_fraction": x, "read_mbps": mbps, "workers": w, "servers": servers,
+             "cache_bytes": int(x * dataset_bytes) + (max(sizes) if x == 1.0 else 0)}
+            for x in grid["fractions"] for mbps in grid["mbps"] for w in grid["workers"]]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     grid = QUICK if args.quick else FULL
     images = args.images or (120 if args.quick else 600)
+    if args.workers:
+        grid = {**grid, "workers": tuple(args.workers)}
+    if not 1 <= args.analyses <= grid["reps"]:
+        print(f"--analyses should be from 1 to the runs per configuration ({grid['reps']})", file=sys.stderr)
+        return 2
     version = cgroup_version()
     if not version:
         print("benchmarks.analyzer needs root and cgroups (it throttles the dataset's own disk)", file=sys.stderr)
@@ -180,25 +276,37 @@ def main(argv=None) -> int:
     with Cleanup() as cleanup:
         work, storage, sizes = dataset_on_its_disk(cleanup, args, images)
         dataset_bytes = sum(sizes)
-        configs = [{"cache_fraction": x, "read_mbps": mbps, "workers": w,
-                    "cache_bytes": int(x * dataset_bytes) + (max(sizes) if x == 1.0 else 0)}
-                   for x in grid["fractions"] for mbps in grid["mbps"] for w in grid["workers"]]
+        configs = [] if args.multi_server_only else _configs(grid, 1, dataset_bytes, sizes)
+        if args.servers > 1:
+            servers_grid = SERVERS_QUICK if args.quick else SERVERS_FULL
+            configs += _configs(servers_grid, args.servers, dataset_bytes, sizes)
+            cleanup.shm_folder()
         random.Random(args.seed).shuffle(configs)
         for n, config in enumerate(configs, 1):
             where = f"[{n}/{len(configs)}] cache {config['cache_fraction']:.0%}, {config['read_mbps']:g} MB/s, " \
-                    f"{config['workers']} workers"
+                    f"{config['workers']} workers" + (f", {config['servers']} servers" if config["servers"] > 1 else "")
             print(f"{where}: analyzing ...", flush=True)
-            analysis = analyze(cleanup, storage, config, args, os.path.join(args.out, "analyses", f"config-{n}"))
-            runs = [measure(cleanup, storage, config, args, work) for _ in range(grid["reps"])]
+            many = config["servers"] > 1
+            analyses, runs = [], []
+            for rep in range(grid["reps"]):
+                if rep < args.analyses:
+                    where_to = os.path.join(args.out, "analyses", f"config-{n}" + (f"-{rep + 1}" if rep else ""))
+                    analyses.append((analyze_servers if many else analyze)(cleanup, storage, config, args, where_to))
+                runs.append((measure_servers if many else measure)(cleanup, storage, config, args, work))
+            predicted = spread([a["predicted_samples_per_s"] for a in analyses])
+            analysis = min(analyses, key=lambda a: abs(a["predicted_samples_per_s"] - predicted["median"]))
             measured = spread([r["samples_per_s"] for r in runs])
-            config.update(predicted_samples_per_s=analysis["predicted_samples_per_s"],
+            config.update(predicted_samples_per_s=predicted["median"], predicted_spread=predicted,
                           measured_samples_per_s=measured["median"], measured_spread=measured,
-                          error=analysis["predicted_samples_per_s"] / measured["median"] - 1,
+                          error=predicted["median"] / measured["median"] - 1,
                           bottleneck=analysis["bottleneck"], rates=analysis["rates"],
                           contention=analysis.get("contention", 1.0),
-                          analysis_s=analysis["analysis_s"], flags=analysis.get("flags", []),
+                          analysis_s=max(a["analysis_s"] for a in analyses), flags=analysis.get("flags", []),
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
                           hit_fraction=[r["hit_fraction"] for r in runs])
+            if many:
+                config.update(servers_predicted=analysis["servers_predicted"],
+                              peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])
             print(f"  predicted {config['predicted_samples_per_s']:.1f}, measured {measured['median']:.1f} "
                   f"samples/s ({config['error']:+.1%}; {config['bottleneck']}); analysis {config['analysis_s']:.0f} s",
                   flush=True)

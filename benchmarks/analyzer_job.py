@@ -2,14 +2,20 @@
 ``coordl.DataLoader`` (random crops, shuffled, persistent workers), a training step of ``--step-ms``.
 
 ``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--out FILE]``
-writes ``loader.stats()``'s epochs to FILE (JSON) at the end.
+writes ``loader.stats()``'s epochs to FILE (JSON) at the end. Under torchrun with several ranks, each rank
+takes its share of every epoch (``DistributedSampler``), all-reduces after each step as DDP does, and
+writes FILE.rank<RANK>.
 """
 
 import argparse
 import dataclasses
 import json
+import os
 import time
 
+import torch
+import torch.distributed
+import torch.utils.data
 import torchvision
 from torchvision import transforms
 
@@ -28,14 +34,24 @@ def main() -> None:
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(64, antialias=True), transforms.ToTensor()]))
-    loader = coordl.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                               persistent_workers=args.workers > 0, cache_bytes=args.cache_bytes,
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    sampler = None
+    if ranks > 1:
+        torch.distributed.init_process_group("gloo")
+        sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True)
+    loader = coordl.DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
+                               num_workers=args.workers, persistent_workers=args.workers > 0,
+                               cache_bytes=args.cache_bytes,
                                drop_page_cache=True)  # with no cache too: every epoch reads the device
-    for _ in range(args.epochs):
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         for _ in loader:
             time.sleep(args.step_ms / 1000)
+            if sampler is not None:
+                torch.distributed.all_reduce(torch.ones(1))
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out + (f".rank{os.environ['RANK']}" if ranks > 1 else ""), "w") as f:
             json.dump([dataclasses.asdict(e) for e in loader.stats().epochs], f)
     loader.close()
 

@@ -13,7 +13,9 @@ the per-sample cost of coordl's fetch path against reading the file, in µs, mea
 ``coordl-untimed`` is coordl with the clock its live split (``loader.stats()``'s ``storage_wait_s``,
 ``peer_wait_s``, ``prep_s``) reads replaced by a constant, in the workers too (forked): coordl against
 it is what those timers cost; with it in ``--systems`` the same cost is also measured in-process, on
-coordl's hit path alone (best of 15 passes over every batch, with the clock and without).
+coordl's hit path alone (best of 15 passes over every batch, with the clock and without), and bounded
+from its parts: the clock reads a pass makes per batch, counted, times what one timer (two reads and the
+add to its counter) takes, timed alone over a million repetitions.
 Writes ``results.json``, ``results.md`` and (with matplotlib) ``hotpath.png`` to ``--out``.
 """
 
@@ -166,9 +168,44 @@ def timer_cost(root: str, workload: str, batch_size: int, rounds: int = 15) -> d
             batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
             for system in ("coordl", "coordl-untimed")[::1 if r % 2 else -1]:
                 (timed if system == "coordl" else untimed).append(per_batch_us(system))
-    cost = min(timed) - min(untimed)
+        reads = clock_reads_per_batch(cached, batches)
+    cost, timer = min(timed) - min(untimed), timer_us()
     return {"workload": workload, "batch_size": batch_size, "rounds": rounds, "timed_batch_us": spread(timed),
-            "untimed_batch_us": spread(untimed), "cost_us": cost, "cost_fraction": cost / min(timed)}
+            "untimed_batch_us": spread(untimed), "cost_us": cost, "cost_fraction": cost / min(timed),
+            "clock_reads_per_batch": reads, "timer_us": timer,
+            "bound_fraction": reads / 2 * timer / min(timed)}
+
+
+def clock_reads_per_batch(cached, batches: list[list[int]]) -> float:
+    """The clock reads the live split makes per batch of ``batches`` through ``cached`` (counted)."""
+    from coordl import cached_dataset
+
+    real, reads = cached_dataset.time, [0]
+
+    def counted() -> int:
+        reads[0] += 1
+        return real.perf_counter_ns()
+
+    cached_dataset.time = types.SimpleNamespace(perf_counter_ns=counted)
+    try:
+        for batch in batches:
+            cached.__getitems__(batch)
+    finally:
+        cached_dataset.time = real
+    return reads[0] / len(batches)
+
+
+def timer_us(repetitions: int = 1_000_000) -> float:
+    """µs one timer of the live split takes, as the fetch path writes it: two clock reads and the add of
+    their difference to a row of 64-bit counters (the best of 5 runs of ``repetitions``)."""
+    import timeit
+
+    import numpy as np
+
+    setup = {"perf_counter_ns": time.perf_counter_ns, "row": np.zeros(8, dtype=np.int64)}
+    runs = timeit.repeat("started = perf_counter_ns(); row[3] += perf_counter_ns() - started", globals=setup,
+                         number=repetitions, repeat=5)
+    return min(runs) / repetitions * 1e6
 
 
 def main(argv=None) -> int:
@@ -253,7 +290,9 @@ def markdown(result: dict) -> str:
         lines.append(f"\nThe live split's clock, in-process, {t['workload']} batches of {t['batch_size']} (best of "
                      f"{t['rounds']} rounds): {t['cost_us']:+.2f} µs a batch of {t['timed_batch_us']['min']:.1f} µs "
                      f"({t['cost_fraction']:+.2%}); a batch took {report.spread_text(t['timed_batch_us'], '.1f')} µs "
-                     f"timed, {report.spread_text(t['untimed_batch_us'], '.1f')} µs untimed.")
+                     f"timed, {report.spread_text(t['untimed_batch_us'], '.1f')} µs untimed. From its parts: "
+                     f"{t['clock_reads_per_batch']:g} clock reads a batch, one timer (two reads and the add) "
+                     f"{t['timer_us']:.3f} µs, at most {t['bound_fraction']:.3%} of the best timed batch.")
     return "\n".join(lines) + "\n"
 
 

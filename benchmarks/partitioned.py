@@ -40,7 +40,6 @@ from benchmarks import report
 from benchmarks.locality import closed_form
 from benchmarks.metrics import spread
 from benchmarks.storage_env import FS_BLOCK, Cleanup, copy_to_loop_disk, evict_files, over_budget
-from coordl._constants import SHM_DIR_ENV
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "partitioned_job.py")
 MODES = ("full-local", "uncoordinated", "partitioned", "locality", "peer-death")
@@ -237,13 +236,6 @@ def plot(runs: list[dict], dataset_bytes: int, path: str) -> str | None:
     return report.save(fig, plt, path)
 
 
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.partitioned", description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=2)
@@ -268,12 +260,7 @@ def main(argv=None) -> int:
         return 2
     with Cleanup() as cleanup:
         workdir = cleanup.workdir(args.workdir)
-        shm = os.path.join("/dev/shm", f"cdlbench-{secrets.token_hex(4)}")
-        os.mkdir(shm)
-        cleanup.callback(shutil.rmtree, shm, True)
-        previous = os.environ.get(SHM_DIR_ENV)
-        os.environ[SHM_DIR_ENV] = shm  # the path each server's private /dev/shm holds its caches under
-        cleanup.callback(_restore_env, SHM_DIR_ENV, previous)
+        cleanup.shm_folder()  # the path each server's private /dev/shm holds its caches under
         source = os.path.join(workdir, "source")
         sizes = make_dataset(source, args.files)
         dataset_bytes = sum(sizes)

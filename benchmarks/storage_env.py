@@ -443,6 +443,24 @@ class Cleanup(contextlib.ExitStack):
         self.callback(group.remove)
         return group
 
+    def shm_folder(self) -> str:
+        """A fresh folder under the shm directory made ``$COORDL_SHM_DIR`` until the end, for servers whose
+        own /dev/shm holds it at that path (``tests/cluster.py``); removed, and the variable restored, then."""
+        from coordl._shm import SHM_DIR_ENV, shm_dir
+        path = tempfile.mkdtemp(prefix=f"{PREFIX}-", dir=shm_dir())
+        self.callback(shutil.rmtree, path, ignore_errors=True)
+        previous = os.environ.get(SHM_DIR_ENV)
+        os.environ[SHM_DIR_ENV] = path
+        self.callback(_restore_env, SHM_DIR_ENV, previous)
+        return path
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")

@@ -420,6 +420,13 @@ class PeerTier:
                                                                              enumerate(held)),
                     "; the map is final" if final else "")
 
+    def wait_for_ranks(self, step: str, timeout_s: float) -> bool:
+        """Whether every rank of the job, on every server, has reached ``step`` (called this with it) within
+        ``timeout_s``."""
+        t = self.topology
+        self._store.set(f"reached/{step}/{t.rank}", "1")
+        return self._wait([f"reached/{step}/{r}" for r in range(t.world)], time.monotonic() + timeout_s)
+
     def _wait(self, keys: list[str], deadline: float) -> bool:
         """Whether ``keys`` are all in the store by ``deadline`` (a ``time.monotonic()``; past: look only)."""
         left = deadline - time.monotonic()

@@ -240,9 +240,11 @@ class Cluster:
         /sys, hiding the node's cgroups from it)."""
         return ["nsenter", f"--net=/run/netns/{self.names[node]}"] if self.mode == "netns" else []
 
-    def launch(self, node: int, script: str, args=(), *, nproc: int = 1, env: dict | None = None) -> None:
+    def launch(self, node: int, script: str, args=(), *, nproc: int = 1, env: dict | None = None,
+               prefix=()) -> None:
         """Start ``torchrun`` (static rendezvous at node 0's address) running ``script args`` with ``nproc``
-        processes on ``node``; ``env`` is added to this process's environment."""
+        processes on ``node``; ``env`` is added to this process's environment; ``prefix`` runs torchrun's
+        command line (``coordl analyze ... --``)."""
         if node in self._procs:
             raise RuntimeError(f"node {node} was launched already")
         setup = ""
@@ -259,7 +261,7 @@ class Cluster:
         log = open(os.path.join(self.workdir, f"node{node}.log"), "wb")
         self._logs.append(log)
         namespaces = [*self._network(node), *(PRIVATE if self.private else [])]
-        self._procs[node] = subprocess.Popen([*self._wrap(node, script_sh, namespaces), *torchrun],
+        self._procs[node] = subprocess.Popen([*self._wrap(node, script_sh, namespaces), *prefix, *torchrun],
                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              env=self._env(node, env), start_new_session=True)
 

@@ -7,6 +7,6 @@ throughput, the bottleneck, the data stall split and what-if answers; ``analysis
 """
 
 from coordl.analyzer.model import BOTTLENECKS, Pipeline, answers
-from coordl.analyzer.report import describe, load, save, to_json
+from coordl.analyzer.report import at_hits, describe, load, save, to_json
 
-__all__ = ["BOTTLENECKS", "Pipeline", "answers", "describe", "load", "save", "to_json"]
+__all__ = ["BOTTLENECKS", "Pipeline", "answers", "at_hits", "describe", "load", "save", "to_json"]

@@ -11,7 +11,8 @@ reads ``D·x`` samples from the cache at rate ``C`` and ``D·(1−x)`` from stor
 turn; with several (two or more workers, or DALI's fetch threads) the cache serves some while storage
 serves others, so each is busy for its own share and ``F(x) = D / max(D·x/C, D·(1−x)/S)``. With
 partitioned caching over ``N`` servers whose caches each hold ``x``, a rank's epoch takes ``x`` from its
-own cache, ``min(1, N·x) − x`` from peers at rate ``R`` and the rest from storage. Per epoch, the time
+own cache, ``min(1, N·x) − x`` from peers at rate ``R`` (``peer_share`` where measured otherwise) and the
+rest from storage. Per epoch, the time
 lost to prep is what ``min(P, G)`` costs beyond ``G``, and the time lost to fetching is what the throughput
 costs beyond ``min(P, G)``.
 
@@ -55,6 +56,8 @@ class Pipeline:
         L: seconds a worker waits for one miss while the storage is not saturated (0: none).
         R: peer fetch rate (samples/s) with partitioned caching, None when not measured.
         servers: servers of the job, each with its own cache of ``cache_fraction``.
+        peer_share: the share of an epoch fetched from peers; None: ``min(1, servers·cache_fraction) −
+            cache_fraction``, what the other servers' caches hold once full (a measured split says otherwise).
         jobs: jobs on this server reading the dataset at once.
         coordinated: whether those jobs share fetch and prep (``hp_group``) or each does its own.
         fetch_threads: threads that fetch batches ahead of prep (the DALI backend: as many as its prep
@@ -87,6 +90,7 @@ class Pipeline:
     step_cpu_s: float = 0.0
     prep_cpu_s: float = 0.0
     contention: float = 1.0
+    peer_share: float | None = None
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
@@ -106,20 +110,31 @@ class Pipeline:
             raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers and "
                              f"fetch_threads at least 0: {self.samples}, {self.cores}, {self.servers}, {self.jobs}, "
                              f"{self.ranks}, {self.workers}, {self.fetch_threads}")
+        if self.peer_share is not None and not 0 <= self.peer_share <= 1 - self.cache_fraction + 1e-9:
+            raise ValueError(f"peer_share should be in [0, 1 − cache_fraction], but got {self.peer_share!r}")
         if self.servers > 1 and self.R is None:
             raise ValueError("a pipeline over several servers needs the peer fetch rate R (`coordl whatif`: --peer-mbps)")
 
     # -- the three rates -----------------------------------------------------------------------------------
 
     @property
+    def _from_peers(self) -> float:
+        """The share of an epoch fetched from the other servers' caches."""
+        if self.servers == 1:
+            return 0.0
+        if self.peer_share is not None:
+            return self.peer_share
+        return min(1.0, self.servers * self.cache_fraction) - self.cache_fraction
+
+    @property
     def fetch_rate(self) -> float:
         """F: samples/s one job's loader fetches (each of ``jobs`` uncoordinated jobs reads every sample);
         several fetchers keep the cache, the peers and storage busy at once."""
-        local = self.cache_fraction
-        aggregate = min(1.0, self.servers * local)
-        busy = [local / self.C, (1.0 - aggregate) / self.S]  # seconds per sample of an epoch, by source
-        if aggregate > local:
-            busy.append((aggregate - local) / self.R)
+        local, peers = self.cache_fraction, self._from_peers
+        aggregate = local + peers
+        busy = [local / self.C, max(0.0, 1.0 - aggregate) / self.S]  # seconds per sample of an epoch, by where
+        if peers > 0:
+            busy.append(peers / self.R)
         seconds = max(busy) if max(self.workers, self.fetch_threads) > 1 else sum(busy)  # in parallel, or in turn
         rate = math.inf if seconds == 0 else 1.0 / seconds
         if self.fetch_threads and aggregate < 1.0 and self.L > 0:  # each thread waits L per miss
@@ -146,7 +161,7 @@ class Pipeline:
             return self.prep_rate
         if self.L == 0 or self.fetch_threads:  # no wait, or fetched ahead (DALI)
             return min(self.prep_rate, self.cpu_rate)
-        misses = 1.0 - min(1.0, self.servers * self.cache_fraction)
+        misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
         seconds = _processes(self.workers, self.cores) / self.P + misses * self.L  # of one worker, per sample
         return min(min(self.P, self.workers / seconds) / (1 if self.coordinated else self.jobs), self.cpu_rate)
 
@@ -172,7 +187,7 @@ class Pipeline:
         below P by its waits, not held by the cores)."""
         if not self.workers or self.fetch_threads or self.worker_rate >= self.cpu_rate:
             return False
-        misses = 1.0 - min(1.0, self.servers * self.cache_fraction)
+        misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
         return misses * self.L > _processes(self.workers, self.cores) / self.P
 
     def stalls(self, samples_per_s: float | None = None) -> dict:
@@ -191,11 +206,14 @@ class Pipeline:
     # -- what if ---------------------------------------------------------------------------------------------
 
     def with_changes(self, *, cache_fraction=None, workers=None, storage_factor=1.0, servers=None, jobs=None,
-                     coordinated=None, R=None) -> "Pipeline":
+                     coordinated=None, R=None, peer_share=None) -> "Pipeline":
         """The pipeline with another cache, worker count, storage ``storage_factor`` times as fast, servers,
-        jobs or peer rate. More workers scale ``P`` in proportion to the processes doing prep, up to the
-        cores (the measured rate per process times the processes); the measured ``contention`` stays."""
+        jobs, peer rate or share fetched from peers. More workers scale ``P`` in proportion to the processes
+        doing prep, up to the cores (the measured rate per process times the processes); the measured
+        ``contention`` stays. Another cache or servers drop a given ``peer_share`` (the caches' own again)."""
         changes = {"S": self.S * storage_factor}
+        if cache_fraction is not None or servers is not None:
+            changes["peer_share"] = None
         if cache_fraction is not None:
             changes["cache_fraction"] = min(1.0, cache_fraction)
         if workers is not None:
@@ -203,7 +221,8 @@ class Pipeline:
                            _processes(self.workers, self.cores))
             if self.fetch_threads:  # the DALI backend fetches on as many threads as it prepares on
                 changes["fetch_threads"] = max(workers, 1)
-        for name, value in (("servers", servers), ("jobs", jobs), ("coordinated", coordinated), ("R", R)):
+        for name, value in (("servers", servers), ("jobs", jobs), ("coordinated", coordinated), ("R", R),
+                            ("peer_share", peer_share)):
             if value is not None:
                 changes[name] = value
         return dataclasses.replace(self, **changes)

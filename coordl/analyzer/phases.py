@@ -21,7 +21,11 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   nothing else running, over at least 2 passes and 5 s after a first that starts the workers; and the
   CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
   ``backend='dali'``, P is the loader's DALI pipeline (a second one with the same settings) preparing
-  those items, and the result says how many threads fetch ahead of it (``fetch_threads``). Then, where
+  those items, and the result says how many threads fetch ahead of it (``fetch_threads``). In a job over
+  several servers with partitioned caching, ``R`` too (after C, before P): the servers' caches, each holding
+  its ranks' parts, are mapped as at an epoch start, and each rank fetches from the next server's cache what
+  that server's rank of the same local rank put there, a batch per request on as many threads as cores.
+  Then, where
   torch's workers prepare for coordl.DataLoader's own iterator, ``Q``: the training loop's samples/s over
   the timed window on batches that as many workers prepare from those items (nothing fetched, without end,
   each pass in a new order), so the step and prep share the cores as in training.
@@ -43,10 +47,11 @@ nothing fetched or prepared; torch still collates it), and passes after the firs
 no epoch (nor DALI pipeline) starts again. A worker that a later pass starts loads its first batch
 afresh. The settings the phases use are the coordl loader's, as built (``EpochLedger.built_with``).
 
-Each rank of a torchrun job on one server measures at once (so they share storage, cache and cores as in
-training; each rank's S, L, C and P over its own part of a common random subset) and writes its own
-result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``. So does each member of an hp_group (``.rank<slot>``, its
-slot in the group): in the rates phase it measures its part with its share's workers (or a twin of its DALI
+Each rank of a torchrun job measures at once (so they share storage, cache and cores as in training; each
+rank's S, L, C and P over its own part of a common random subset, its part by its rank on every server)
+and writes its own result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``; over several servers, each server's
+``coordl analyze`` runs its torchrun node and reads its own ranks' results. So does each member of an
+hp_group (``.rank<slot>``, its slot in the group): in the rates phase it measures its part with its share's workers (or a twin of its DALI
 pipeline) over an unfed view of the dataset, and in the ingestion phase it leaves the group once its first
 batch is in (the copies then come from as many workers as its share's loader has).
 """
@@ -65,6 +70,7 @@ import torch
 
 from coordl._sysinfo import proc_stat
 from coordl.cached_dataset import CachedDataset, SampleCounters
+from coordl.partitioned import EXCHANGE_ENV
 
 PHASE_ENV = "COORDL_ANALYZE_PHASE"
 RESULT_ENV = "COORDL_ANALYZE_RESULT"
@@ -84,6 +90,9 @@ STORAGE_MIN_S = 3.0
 """The least time S is measured over (passes over the subset, each cold)."""
 STORAGE_REST_S = 1.0
 """Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
+RATES_EPOCH = 2
+"""The epoch whose map of the caches the rates phase takes (the first that has one): the phase ends before
+the loader starts an epoch of its own."""
 _measured = []  # the window of the loader this process's phase measures (the first one iterated)
 _member = []  # (index, members) of this process among the hp_group members that measure together
 _own_pass = []  # set while coordl.DataLoader's own iterator starts a pass (observe_pass leaves it alone)
@@ -114,9 +123,6 @@ def current() -> str | None:
     phase = os.environ.get(PHASE_ENV)
     if phase is not None and phase not in PHASES:
         raise ValueError(f"{PHASE_ENV} should be one of {PHASES}, but got {phase!r}")
-    if phase is not None and _world() > _local_world():
-        raise RuntimeError(f"coordl analyze measures jobs on one server for now; this is rank {os.environ.get('RANK')} "
-                           f"of {_world()}, with {_local_world()} on this server (torchrun --nnodes > 1)")
     return phase
 
 
@@ -142,6 +148,14 @@ def _sharers() -> tuple[int, int]:
     if _member:
         return _member[0]
     return int(os.environ.get("LOCAL_RANK", 0)), _local_world()
+
+
+def _part() -> tuple[int, int]:
+    """(this process's part, how many parts) of the rates phase's subset: its rank among the job's ranks on
+    every server, or its slot among the hp_group's members."""
+    if _member:
+        return _member[0]
+    return int(os.environ.get("RANK", 0)), _world()
 
 
 def _finish(result: dict) -> None:
@@ -269,8 +283,8 @@ class _Window:
         out = {"phase": self.phase, "samples_per_s": samples / elapsed, "loop_cpu_s": cpu_s / samples,
                "iters": self.iters, "batch_size": self.batch_size}
         if self.phase == "run":
-            hits, fetched = _hits(self.loader)
-            out["hit_fraction"] = (hits - self.hits_before[0]) / max(1, fetched - self.hits_before[1])
+            hits, peer_hits, fetched = (now - before for now, before in zip(_hits(self.loader), self.hits_before))
+            out["hit_fraction"], out["peer_hit_fraction"] = hits / max(1, fetched), peer_hits / max(1, fetched)
         if self.phase == "rates":  # the loop on prepared batches
             return {**self.rates, "Q": out["samples_per_s"]}
         return out
@@ -446,10 +460,10 @@ def _prepared(loader, samples: torch.utils.data.Dataset, batch_size: int):
         prefetch_factor=options.get("prefetch_factor"), pin_memory=loader.pin_memory))
 
 
-def _hits(loader) -> tuple[int, int]:
-    """Samples served from a cache (this server's or a peer's) and samples fetched, so far."""
+def _hits(loader) -> tuple[int, int, int]:
+    """Samples served from this server's cache, from the peers' caches, and fetched in all, so far."""
     total = loader.stats().total
-    return total.hits + total.peer_hits, total.hits + total.peer_hits + total.misses
+    return total.hits, total.peer_hits, total.hits + total.peer_hits + total.misses
 
 
 def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset | None]:
@@ -462,10 +476,11 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
     if group is not None:  # a member prepares its share on its own workers or DALI pipeline, from the fetch path
         dataset, dali = dataset.unfed(), group.dali
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
-    rank, ranks = _sharers()
-    cores = max(1, len(os.sched_getaffinity(0)) // ranks)  # this rank's share
-    n = max(1, min(len(dataset) // ranks, samples))
-    subset = random.Random(0).sample(range(len(dataset)), len(dataset))[rank * n:(rank + 1) * n]  # this rank's part
+    cores = max(1, len(os.sched_getaffinity(0)) // _sharers()[1])  # this rank's share
+    part, parts = _part()
+    n = max(1, min(len(dataset) // parts, samples))
+    order = random.Random(0).sample(range(len(dataset)), len(dataset))
+    subset = order[part * n:(part + 1) * n]  # this rank's part
     keys = [source.raw_key(i) for i in subset]
     stamped = hasattr(storage, "read_stamped")
     read = storage.read_stamped if stamped else storage.read
@@ -508,6 +523,10 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
             list(pool.map(bytes, datas))
         result["C"], result["C_from"] = n / (time.perf_counter() - started), "memory copy"
     result["cached_fraction"] = len(cached) / n
+    peers = getattr(dataset, "peers", None)
+    if peers is not None:  # partitioned caching over several servers: R, from what the others' caches took
+        result["servers"] = peers.topology.nodes
+        result["R"], result["R_samples"] = _peer_rate(peers, order, n, batch_size, cores)
     if len(cached) >= min(n, PREP_MIN_BATCHES * batch_size):  # through the cache, as the job's hits go
         result["P_from"], indices, held = "cache", cached, dataset
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
@@ -520,6 +539,33 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
     return result, prepared if group is None else None
+
+
+def _peer_rate(peers, order: list[int], n: int, batch_size: int, cores: int) -> tuple[float | None, int]:
+    """``R``: samples/s this rank fetches from the other servers' caches (a batch per request, on ``cores``
+    threads, as its workers fetch), over the part of ``order`` that the same local rank of the next server
+    put in that server's cache; and how many samples that was. Every rank of the job takes part: the caches
+    are mapped as at an epoch start (:meth:`PeerTier.begin_epoch`), once each holds its ranks' parts, and no
+    rank goes on before all have fetched (a server's cache goes with its processes). None: the next
+    server's cache took nothing."""
+    t = peers.topology
+    peers.begin_epoch(RATES_EPOCH)
+    theirs = ((t.node + 1) % t.nodes) * t.local_world + t.local_rank
+    held = [i for i in order[theirs * n:(theirs + 1) * n] if peers.held_elsewhere(i)]
+    batches = [held[i:i + batch_size] for i in range(0, len(held), batch_size)]
+    got = 0
+    if batches:
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+            got = sum(pool.map(lambda batch: len(peers.request(batch).collect()), batches))
+        elapsed = time.perf_counter() - started
+    if not peers.wait_for_ranks("analyze-rates", peers.exchange_s):
+        raise RuntimeError(f"coordl analyze: not every server's ranks fetched from their peers within "
+                           f"{peers.exchange_s:.0f} s ({EXCHANGE_ENV})")
+    if got < len(held):
+        raise RuntimeError(f"coordl analyze: the peers delivered {got} of the {len(held)} samples their caches "
+                           f"hold; a peer server did not answer (see the log above)")
+    return (got / elapsed if got else None), got
 
 
 class _Held(torch.utils.data.Dataset):

@@ -79,10 +79,18 @@ def _rate(samples_per_s: float, sample_bytes: float) -> str:
     return f"{samples_per_s:10.1f} samples/s {samples_per_s * sample_bytes / 1e6:9.1f} MB/s"
 
 
-def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: float | None = None) -> str:
+def at_hits(pipeline: Pipeline, hits: float, peer_hits: float | None = None) -> Pipeline:
+    """``pipeline`` with the share ``hits`` of an epoch from this server's cache and ``peer_hits`` from the
+    peers' (None: what the peers' caches would hold)."""
+    return pipeline.with_changes(cache_fraction=hits, peer_share=peer_hits)
+
+
+def describe(pipeline: Pipeline, measured: float | None = None,
+             measured_hits: tuple[float, float | None] | None = None) -> str:
     """The report: the rates, the prediction and its bottleneck in one sentence, the stall split per epoch
-    and the what-if answers. ``measured``, measured with a cache hit fraction of ``measured_hits`` (default:
-    the pipeline's cache fraction), is set beside the prediction for those hits."""
+    and the what-if answers. ``measured``, measured with ``measured_hits`` (the share of its fetches from
+    this server's cache, and from the peers' or None; default: the pipeline's cache fraction), is set beside
+    the prediction for those hits."""
     p = pipeline
     dataset_bytes = p.samples * p.sample_bytes
     lines = [f"dataset {p.samples} samples, {format_bytes(dataset_bytes)}; cache "
@@ -110,9 +118,10 @@ def describe(pipeline: Pipeline, measured: float | None = None, measured_hits: f
                      "workers prepare)")
     lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
     if measured is not None:
-        hits = p.cache_fraction if measured_hits is None else measured_hits
-        expected = p.with_changes(cache_fraction=hits).predicted
-        lines.append(f"  measured        {_rate(measured, p.sample_bytes)}  (with {hits:.0%} cache hits; "
+        hits, peer_hits = (p.cache_fraction, None) if measured_hits is None else measured_hits
+        expected = at_hits(p, hits, peer_hits).predicted
+        from_peers = "" if peer_hits is None else f" and {peer_hits:.0%} from the peers"
+        lines.append(f"  measured        {_rate(measured, p.sample_bytes)}  (with {hits:.0%} cache hits{from_peers}; "
                      f"predicted {expected:.1f}, {(expected - measured) / measured:+.1%})")
     cores_bound = p.bottleneck == "prep" and p.workers and p.worker_rate >= p.cpu_rate
     lines.append(f"bottleneck: {BOTTLENECKS[p.bottleneck]}" + (

@@ -176,23 +176,25 @@ def _ranks_done(result_path: str) -> bool:
 
 
 def _combine(ranks: list[dict]) -> dict:
-    """A torchrun job's result from its ranks' (rates per rank): the slowest rank's rates, as the job goes
-    at its pace, and the longest miss wait and most CPU per sample; each rank's own under ``ranks``. For the
-    members of an hp_group, which measured at once, each over its part: the group's storage, cache and prep
+    """A torchrun job's result from its ranks' on this server (rates per rank): the slowest rank's rates, as
+    the job goes at its pace, and the longest miss wait and most CPU per sample; each rank's own under
+    ``ranks``. For the members of an hp_group, which measured at once, each over its part: the group's storage, cache and prep
     rates and cores are the members' together (each sample is fetched and prepared once for all of them),
     and a job's samples/s the slowest member's."""
     out = dict(ranks[0])
     together = ("S", "C", "P", "cores") if out.get("hp_group") else ()
-    for key in ("samples_per_s", "S", "C", "P", "Q"):
+    for key in ("samples_per_s", "S", "C", "P", "Q", "R"):
+        values = [r.get(key) for r in ranks]
         if key in out and key not in together:
-            out[key] = min(r[key] for r in ranks)
+            out[key] = None if None in values else min(values)  # R: None where a rank fetched nothing
     for key in together:
         out[key] = sum(r[key] for r in ranks)
     for key in ("L", "loop_cpu_s", "prep_cpu_s"):
         if key in out:
             out[key] = max(r[key] for r in ranks)
-    if "hit_fraction" in out:
-        out["hit_fraction"] = sum(r["hit_fraction"] for r in ranks) / len(ranks)
+    for key in ("hit_fraction", "peer_hit_fraction"):
+        if key in out:
+            out[key] = sum(r[key] for r in ranks) / len(ranks)
     out["ranks"] = ranks
     return out
 
@@ -229,6 +231,11 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
             flags.append(f"{rate}: only {rates[cold]:.0%} of the storage reads came from a block device; the rest "
                          f"was served from memory (the page cache, or a RAM-backed file system), so {rate} is "
                          f"{wrong} for cold reads")
+    servers = rates.get("servers", 1)
+    if servers > 1 and rates["R"] is None:
+        flags.append("R: the other servers' caches took none of the subset, so nothing was fetched from a peer; "
+                     "modelled as this server alone")
+        servers = 1
     sharers = rates["local_world_size"]
     if rates.get("hp_group"):  # K coordinated jobs; the workers (or DALI threads) are all the members'
         shape = dict(jobs=sharers, coordinated=True, workers=sharers * rates["workers"],
@@ -237,7 +244,8 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
         shape = dict(ranks=sharers, workers=rates["workers"], fetch_threads=rates["fetch_threads"])
     pipeline = Pipeline(samples=rates["samples"], sample_bytes=rates["sample_bytes"], G=g, P=rates["P"],
                         S=rates["S"], C=rates["C"], L=rates["L"], cores=rates["cores"],
-                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes),
+                        cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes), servers=servers,
+                        R=rates.get("R") if servers > 1 else None,
                         step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"], **shape)
     if rates.get("Q") is not None:  # Q had nothing to fetch: of what W and G allow with no misses
         alone = pipeline.with_changes(cache_fraction=1.0)
@@ -270,11 +278,12 @@ def main(args) -> int:
         return 1
     run = measured["results"]["run"]
     path = os.path.join(args.out, "analysis.json")
+    hits = (run["hit_fraction"], run["peer_hit_fraction"] if pipeline.servers > 1 else None)
     report.save(path, pipeline, run["samples_per_s"], extra={
-        "measured_hit_fraction": run["hit_fraction"],
-        "predicted_at_measured_hits": pipeline.with_changes(cache_fraction=run["hit_fraction"]).predicted,
+        "measured_hit_fraction": hits[0], "measured_peer_hit_fraction": hits[1],
+        "predicted_at_measured_hits": report.at_hits(pipeline, *hits).predicted,
         "flags": measured["flags"], "phases": measured["results"]})
-    print(report.describe(pipeline, run["samples_per_s"], run["hit_fraction"]))
+    print(report.describe(pipeline, run["samples_per_s"], hits))
     for flag in measured["flags"]:
         print(f"note: {flag}")
     written = plots.draw(pipeline, run["samples_per_s"], args.out)

@@ -1,5 +1,6 @@
 """``python -m benchmarks.analyzer --quick`` end to end: each configuration analyzed and measured on the
-throttled loop device, the errors computed from them, and nothing left behind."""
+throttled loop device (one of them over two servers), the errors computed from them, and nothing left
+behind."""
 
 import glob
 import json
@@ -31,18 +32,32 @@ def test_quick_run(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     configs = result["configs"]
-    assert sorted(c["cache_fraction"] for c in configs) == [0.0, 1.0]
+    assert sorted((c["servers"], c["cache_fraction"]) for c in configs) == [(1, 0.0), (1, 1.0), (2, 0.25)]
     for c in configs:
         assert c["error"] == pytest.approx(c["predicted_samples_per_s"] / c["measured_samples_per_s"] - 1)
-        assert c["measured_spread"]["n"] == 1 and c["analysis_s"] > 0 and 0 < c["contention"] <= 1
+        assert c["measured_spread"]["n"] == c["predicted_spread"]["n"] == 1
+        assert c["analysis_s"] > 0 and 0 < c["contention"] <= 1
         assert (out / "analyses").is_dir()
     errors = sorted(abs(c["error"]) for c in configs)
-    assert result["max_abs_error"] == errors[-1] and result["median_abs_error"] == pytest.approx(sum(errors) / 2)
-    cold, cached = sorted(configs, key=lambda c: c["cache_fraction"])
+    assert result["max_abs_error"] == errors[-1] and result["median_abs_error"] == pytest.approx(errors[1])
+    two = next(c for c in configs if c["servers"] == 2)  # each server caches a quarter: half the misses' bytes
+    assert two["rates"]["R"] > 0 and len(two["servers_predicted"]) == 2
+    assert two["predicted_samples_per_s"] == min(two["servers_predicted"])
+    assert two["peer_hit_fraction"][0] > 0  # the steady epoch took some of its misses from the other server
+    assert len(glob.glob(str(out / "analyses" / "config-*" / "server1" / "analysis.json"))) == 1
+    cold, cached = sorted((c for c in configs if c["servers"] == 1), key=lambda c: c["cache_fraction"])
     assert cold["bottleneck"] == "fetch"  # 10 MB/s and no cache
     assert min(cold["device_bytes_per_epoch"]) >= 0.9 * result["dataset_bytes"]  # every epoch from the device
     assert max(cached["device_bytes_per_epoch"]) <= 0.6 * result["dataset_bytes"]  # 1 of 2 epochs
     setup = json.loads((out / "setup.json").read_text())
     assert setup["provenance"]["git_sha"] and setup["settings"]["reps"] == 1
-    assert "| 100% | 10 |" in (out / "results.md").read_text()
+    assert "| 1 | 100% | 10 |" in (out / "results.md").read_text()
     assert _leftovers() == before
+
+
+def test_more_analyses_than_runs_are_refused_before_anything_is_made(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--analyses", "2", "--out",
+                          str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--analyses should be from 1 to the runs per configuration (1)" in run.stderr
+    assert not (tmp_path / "out").exists()

@@ -59,5 +59,9 @@ def test_untimed_coordl_reads_no_clock_in_the_workers_and_is_compared_with_coord
     assert timers["workload"] == "bytes" and timers["timed_batch_us"]["n"] == timers["untimed_batch_us"]["n"] == 15
     assert timers["cost_us"] == timers["timed_batch_us"]["min"] - timers["untimed_batch_us"]["min"]
     assert timers["cost_fraction"] == timers["cost_us"] / timers["timed_batch_us"]["min"]
+    # on the hit path the prep timer is read once a batch: 2 clock reads; one timer well under a µs
+    assert timers["clock_reads_per_batch"] == 2 and 0 < timers["timer_us"] < 1
+    assert timers["bound_fraction"] == timers["timer_us"] / timers["timed_batch_us"]["min"]
     text = (out / "results.md").read_text()
     assert "coordl / coordl-untimed" in text and "The live split's clock, in-process, bytes batches" in text
+    assert "2 clock reads a batch" in text

@@ -14,6 +14,8 @@ from torchvision import transforms
 
 import coordl
 from coordl.analyzer import phases, runner
+from coordl.partitioned import TIMEOUT_ENV
+from tests.cluster import make_cluster  # noqa: F401  (a fixture)
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_analyze_job.py")
 BATCH = 8
@@ -156,11 +158,58 @@ def test_a_torchrun_job_is_measured_rank_by_rank(image_root, tmp_path):
     assert not list(tmp_path.glob("*.claimed"))
 
 
-def test_a_job_over_several_servers_is_told_it_cannot_be_measured_yet(image_root, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path), "--", sys.executable,
-                           JOB, image_root], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": "0"})
-    assert proc.returncode == 1 and "jobs on one server for now" in proc.stderr
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_job_over_two_servers_is_measured_on_each_with_its_peer(make_cluster, image_root, tmp_path):
+    """Each server (its own network and mount namespaces) runs ``coordl analyze`` of its torchrun node. In the
+    rates phase the servers' caches are mapped as at an epoch start, and each rank fetches from the next
+    server's cache what that server's rank put there: R. The model is a server's, with 2 servers."""
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(image_root) for f in fs]
+    cache_bytes = sum(sizes) // 2 + max(sizes)  # each server's cache half the dataset: the two hold it all
+    cluster = make_cluster(2)
+    outs = [tmp_path / f"server{n}" for n in range(2)]
+    for n, out in enumerate(outs):  # 6 batches an epoch per rank: the run phase's window is in epochs 2-4
+        cluster.launch(n, JOB, [image_root, "--ddp", "--step-s", "0.02", "--cache-bytes", str(cache_bytes)],
+                       env={"COORDL_PEER_SECRET": "this-test", TIMEOUT_ENV: "10"},
+                       prefix=[sys.executable, "-m", "coordl.cli", "analyze", "--out", str(out), "--iters", "12",
+                               "--warmup", "8", "--timeout", "300", "--"])
+    assert cluster.wait(800) == [0, 0], "\n".join(cluster.log(n)[-3000:] for n in range(2))
+    docs = [json.load(open(out / "analysis.json")) for out in outs]
+    rates = [doc["phases"]["rates"] for doc in docs]
+    for n, doc in enumerate(docs):
+        theirs = rates[1 - n]
+        assert doc["config"]["servers"] == 2 and rates[n]["subset"] == 48  # 96 images: a rank's half
+        assert 0 < doc["rates"]["R"] == rates[n]["R"]
+        # what it fetched from its peer is what the peer's cache took of the peer's part
+        assert rates[n]["R_samples"] == round(theirs["cached_fraction"] * theirs["subset"]) > 0
+        assert doc["measured_peer_hit_fraction"] > 0  # past epoch 1, the map sends misses to the peer
+        assert doc["predicted_at_measured_hits"] > 0
+        assert any(answer.get("servers") == 4 for answer in doc["whatif"])
+        assert "R peers" in cluster.log(n) and "from the peers" in cluster.log(n)
+        assert cluster.shm_left(n) == [], f"server {n} left {cluster.shm_left(n)} in its /dev/shm"
+        assert not list(outs[n].glob("*.claimed"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_peer_that_does_not_deliver_ends_the_rates_phase_saying_so(make_cluster, image_root, tmp_path):
+    """The servers hold different secrets, so neither lets the other fetch: R cannot be measured, and each
+    server's analysis ends in the rates phase with the reason, leaving nothing behind."""
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(image_root) for f in fs]
+    cluster = make_cluster(2)
+    for n in range(2):
+        cluster.launch(n, JOB, [image_root, "--ddp", "--cache-bytes", str(sum(sizes))],
+                       env={"COORDL_PEER_SECRET": f"secret-of-server-{n}", TIMEOUT_ENV: "5"},
+                       prefix=[sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path / f"server{n}"),
+                               "--iters", "4", "--warmup", "1", "--timeout", "300", "--"])
+    assert cluster.wait(500) == [1, 1]
+    for n in range(2):
+        log = cluster.log(n)
+        assert "failed in the rates phase" in log and "measured before that, ingestion" in log
+        rates_log = (tmp_path / f"server{n}" / "phase-rates.log").read_text()
+        assert "the peers delivered 0 of the" in rates_log and "a peer server did not answer" in rates_log
+        assert cluster.shm_left(n) == []
+        assert not (tmp_path / f"server{n}" / "analysis.json").exists()
 
 
 @pytest.mark.parametrize("cache", ["auto", "0"])

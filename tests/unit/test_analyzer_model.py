@@ -133,6 +133,23 @@ def test_storage_servers_and_jobs():
     assert together.predicted == pytest.approx(p.predicted)
 
 
+def test_a_measured_share_from_the_peers_replaces_what_their_full_caches_would_hold():
+    """2 servers caching 30% each: full caches serve 30% of an epoch from the peer; measured early, 10%."""
+    p = Pipeline(**{**BASE, "R": 2000.0, "servers": 2})
+    early = p.with_changes(peer_share=0.1)
+    assert early.fetch_rate == pytest.approx(1 / max(0.3 / p.C, 0.1 / 2000.0, 0.6 / p.S))
+    one = early.with_changes(workers=1, peer_share=0.1)
+    assert one.fetch_rate == pytest.approx(1 / (0.3 / p.C + 0.1 / 2000.0 + 0.6 / p.S))
+    waiting = dataclasses.replace(one, L=0.01)  # one worker waits L for each miss: 60% of its samples
+    assert waiting.worker_rate == pytest.approx(1 / (1 / one.P + 0.6 * 0.01))  # one.P: a worker's, 150
+    assert early.with_changes(cache_fraction=0.5).peer_share is None  # another cache: the caches' own share
+    assert analyzer.at_hits(p, 0.25, 0.05) == p.with_changes(cache_fraction=0.25, peer_share=0.05)
+    assert "with 25% cache hits and 5% from the peers" in analyzer.describe(p, 200.0, (0.25, 0.05))
+    assert "from the peers" not in analyzer.describe(p, 200.0, (0.25, None))
+    with pytest.raises(ValueError, match="peer_share"):
+        Pipeline(**{**BASE, "R": 2000.0, "servers": 2, "peer_share": 0.8})  # 30% here + 80% > all
+
+
 def test_the_cores_bound_the_step_and_prep_together_whatever_the_workers():
     """8 cores; per sample 2 ms of the training process's CPU and 10 ms of prep's: 8 / 12 ms = 667 samples/s,
     below G (900) and the 4 workers' P (600 → with 8 workers, 1200)."""
