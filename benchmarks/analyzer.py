@@ -121,9 +121,9 @@ def _job_args(config: dict, args) -> list[str]:
                              args.step_ms)]
 
 
-def _on_servers(storage, config: dict, work: str, argv_of) -> tuple[list[str], int]:
+def _on_servers(storage, config: dict, work: str, argv_of) -> int:
     """Run ``JOB`` on ``config["servers"]`` fresh servers, server k's torchrun node under ``argv_of(k)`` on
-    core k; their logs and the device bytes they read. Raises RuntimeError: one failed."""
+    core k; the device bytes they read. Raises RuntimeError: one failed (with each server's log)."""
     from tests.cluster import Cluster
     n = config["servers"]
     cores = sorted(os.sched_getaffinity(0))
@@ -135,10 +135,9 @@ def _on_servers(storage, config: dict, work: str, argv_of) -> tuple[list[str], i
             cluster.launch(k, JOB, job, env={"COORDL_PEER_SECRET": secret},
                            prefix=["taskset", "-c", str(cores[k % len(cores)]), *prefix])
         codes = cluster.wait(1800)
-        logs = [cluster.log(k) for k in range(n)]
         if codes != [0] * n:
-            raise RuntimeError(f"{config}: exit codes {codes}\n" + "\n".join(log[-3000:] for log in logs))
-        return logs, sum(cluster.device_read_bytes(k) for k in range(n))
+            raise RuntimeError(f"{config}: exit codes {codes}\n" + "\n".join(cluster.log(k)[-3000:] for k in range(n)))
+        return sum(cluster.device_read_bytes(k) for k in range(n))
 
 
 def analyze_servers(cleanup, storage, config: dict, args, out_dir: str) -> dict:
@@ -162,7 +161,7 @@ def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
     """One run of the job over ``config["servers"]`` servers: a rank's steady samples/s (the slowest's),
     device bytes per epoch (all servers), the hits' shares from the own cache and from the peers."""
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
-    _, read = _on_servers(storage, config, work, lambda k: (
+    read = _on_servers(storage, config, work, lambda k: (
         [], [storage.root, *_job_args(config, args), "--epochs", str(args.epochs), "--out", out]))
     ranks = []
     for rank in range(config["servers"]):
