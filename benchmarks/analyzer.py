@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="where results.json, setup.json, results.md and the plot go")
     parser.add_argument("--quick", action="store_true", help="2 configurations, 1 run each, a small dataset")
     parser.add_argument("--servers", type=int, default=2,
-                        help="servers of the multi-server rows (default 2; 0: no multi-server rows)")
+                        help="servers of the multi-server rows (default 2; 0 or 1: no multi-server rows)")
     parser.add_argument("--multi-server-only", action="store_true", help="only the multi-server rows")
     parser.add_argument("--workers", type=int, nargs="+", help="the one-server rows' workers (default 1 2)")
     parser.add_argument("--analyses", type=int, default=1,
@@ -267,6 +267,10 @@ def main(argv=None) -> int:
     if not 1 <= args.analyses <= grid["reps"]:
         print(f"--analyses should be from 1 to the runs per configuration ({grid['reps']})", file=sys.stderr)
         return 2
+    if args.multi_server_only and args.servers < 2:
+        print(f"--multi-server-only needs --servers of 2 or more, not {args.servers}", file=sys.stderr)
+        return 2
+    servers_grid = SERVERS_QUICK if args.quick else SERVERS_FULL
     version = cgroup_version()
     if not version:
         print("benchmarks.analyzer needs root and cgroups (it throttles the dataset's own disk)", file=sys.stderr)
@@ -277,7 +281,6 @@ def main(argv=None) -> int:
         dataset_bytes = sum(sizes)
         configs = [] if args.multi_server_only else _configs(grid, 1, dataset_bytes, sizes)
         if args.servers > 1:
-            servers_grid = SERVERS_QUICK if args.quick else SERVERS_FULL
             configs += _configs(servers_grid, args.servers, dataset_bytes, sizes)
             cleanup.shm_folder()
         random.Random(args.seed).shuffle(configs)
@@ -285,13 +288,14 @@ def main(argv=None) -> int:
             where = f"[{n}/{len(configs)}] cache {config['cache_fraction']:.0%}, {config['read_mbps']:g} MB/s, " \
                     f"{config['workers']} workers" + (f", {config['servers']} servers" if config["servers"] > 1 else "")
             print(f"{where}: analyzing ...", flush=True)
-            many = config["servers"] > 1
+            multi_server = config["servers"] > 1
             analyses, runs = [], []
             for rep in range(grid["reps"]):
                 if rep < args.analyses:
                     where_to = os.path.join(args.out, "analyses", f"config-{n}" + (f"-{rep + 1}" if rep else ""))
-                    analyses.append((analyze_servers if many else analyze)(cleanup, storage, config, args, where_to))
-                runs.append((measure_servers if many else measure)(cleanup, storage, config, args, work))
+                    analyze_it = analyze_servers if multi_server else analyze
+                    analyses.append(analyze_it(cleanup, storage, config, args, where_to))
+                runs.append((measure_servers if multi_server else measure)(cleanup, storage, config, args, work))
             predicted = spread([a["predicted_samples_per_s"] for a in analyses])
             analysis = min(analyses, key=lambda a: abs(a["predicted_samples_per_s"] - predicted["median"]))
             measured = spread([r["samples_per_s"] for r in runs])
@@ -303,7 +307,7 @@ def main(argv=None) -> int:
                           analysis_s=max(a["analysis_s"] for a in analyses), flags=analysis.get("flags", []),
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
                           hit_fraction=[r["hit_fraction"] for r in runs])
-            if many:
+            if multi_server:
                 config.update(servers_predicted=analysis["servers_predicted"],
                               peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])
             print(f"  predicted {config['predicted_samples_per_s']:.1f}, measured {measured['median']:.1f} "
@@ -312,9 +316,9 @@ def main(argv=None) -> int:
         errors = [abs(c["error"]) for c in configs]
         result = {"configs": configs, "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
                   "dataset_bytes": dataset_bytes, "samples": len(sizes)}
+        settings = {**vars(args), **grid, "images": images, "servers_grid": servers_grid}
         setup = {"machine": report.machine(), "provenance": report.provenance(), "load_at_start": load_at_start,
-                 "load_at_end": os.getloadavg(), "storage": storage.detail, "settings": {**vars(args), **grid,
-                                                                                            "images": images}}
+                 "load_at_end": os.getloadavg(), "storage": storage.detail, "settings": settings}
         os.makedirs(args.out, exist_ok=True)
         plots = plot(configs, args.out)
         setup["plots"] = [os.path.basename(p) for p in plots] or report.NO_PLOTS

@@ -13,8 +13,8 @@ the per-sample cost of coordl's fetch path against reading the file, in µs, mea
 ``coordl-untimed`` is coordl with the clock its live split (``loader.stats()``'s ``storage_wait_s``,
 ``peer_wait_s``, ``prep_s``) reads replaced by a constant, in the workers too (forked): coordl against
 it is what those timers cost; with it in ``--systems`` the same cost is also measured in-process, on
-coordl's hit path alone (best of 15 passes over every batch, with the clock and without), and bounded
-from its parts: the clock reads a pass makes per batch, counted, times what one timer (two reads and the
+coordl's hit path alone (best of 15 passes over every batch, with the clock and without), and estimated
+from its parts (``bound_fraction``): the clock reads a pass makes per batch, counted, times what one timer (two reads and the
 add to its counter) takes, timed alone over a million repetitions.
 Writes ``results.json``, ``results.md`` and (with matplotlib) ``hotpath.png`` to ``--out``.
 """
@@ -292,7 +292,7 @@ def markdown(result: dict) -> str:
                      f"({t['cost_fraction']:+.2%}); a batch took {report.spread_text(t['timed_batch_us'], '.1f')} µs "
                      f"timed, {report.spread_text(t['untimed_batch_us'], '.1f')} µs untimed. From its parts: "
                      f"{t['clock_reads_per_batch']:g} clock reads a batch, one timer (two reads and the add) "
-                     f"{t['timer_us']:.3f} µs, at most {t['bound_fraction']:.3%} of the best timed batch.")
+                     f"{t['timer_us']:.3f} µs, about {t['bound_fraction']:.3%} of the best timed batch.")
     return "\n".join(lines) + "\n"
 
 

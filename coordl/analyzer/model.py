@@ -62,9 +62,10 @@ class Pipeline:
         coordinated: whether those jobs share fetch and prep (``hp_group``) or each does its own.
         fetch_threads: threads that fetch batches ahead of prep (the DALI backend: as many as its prep
             threads, ``workers``), each waiting ``L`` per miss; 0: the workers fetch their own batches (torch).
-        ranks: training processes of the job on this server (torchrun), each with these rates and its
+        ranks: training processes of the job on each server (torchrun), each with these rates and its
             share of ``cores``: the rates, the prediction and the stalls are a rank's, over its
-            ``samples / ranks`` of an epoch; the job's samples/s is ``ranks`` times the prediction.
+            ``samples / (servers · ranks)`` of an epoch; the job's samples/s is ``servers · ranks`` times the
+            prediction.
         step_cpu_s, prep_cpu_s: CPU seconds per sample of the training process (the step and taking its
             batch) and of prep (0: not measured, no CPU bound).
         contention: the share of ``min(W, G)`` the training loop reaches while its workers prepare (see the
@@ -194,7 +195,7 @@ class Pipeline:
         """Seconds per epoch: the training step alone (``ideal_s``), lost to prep and lost to fetching, at
         ``samples_per_s`` (measured; default the prediction)."""
         rate = self.predicted if samples_per_s is None else samples_per_s
-        samples = self.samples / self.ranks  # a rank's share of an epoch
+        samples = self.samples / (self.servers * self.ranks)  # a rank's share of an epoch
         if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching the rest
             prep_s = samples / self.prep_rate
         else:  # prep's own rate, or the cores it takes from the training process

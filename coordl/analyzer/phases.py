@@ -51,9 +51,10 @@ Each rank of a torchrun job measures at once (so they share storage, cache and c
 rank's S, L, C and P over its own part of a common random subset, its part by its rank on every server)
 and writes its own result, ``COORDL_ANALYZE_RESULT`` + ``.rank<RANK>``; over several servers, each server's
 ``coordl analyze`` runs its torchrun node and reads its own ranks' results. So does each member of an
-hp_group (``.rank<slot>``, its slot in the group): in the rates phase it measures its part with its share's workers (or a twin of its DALI
-pipeline) over an unfed view of the dataset, and in the ingestion phase it leaves the group once its first
-batch is in (the copies then come from as many workers as its share's loader has).
+hp_group (``.rank<slot>``, its slot in the group): in the rates phase it measures its part with its
+share's workers (or a twin of its DALI pipeline) over an unfed view of the dataset, and in the ingestion
+phase it leaves the group once its first batch is in (the copies then come from as many workers as its
+share's loader has).
 """
 
 import concurrent.futures
@@ -142,12 +143,12 @@ def result_path() -> str:
     return os.environ[RESULT_ENV] + (f".rank{os.environ['RANK']}" if _world() > 1 else "")
 
 
-def _sharers() -> tuple[int, int]:
-    """(this process's index, how many processes) among those that measure at once on this server: the ranks
-    of a torchrun job, or the members of an hp_group."""
+def _sharers() -> int:
+    """How many processes measure at once on this server: the ranks of a torchrun job, or the members of an
+    hp_group."""
     if _member:
-        return _member[0]
-    return int(os.environ.get("LOCAL_RANK", 0)), _local_world()
+        return _member[0][1]
+    return _local_world()
 
 
 def _part() -> tuple[int, int]:
@@ -162,7 +163,7 @@ def _finish(result: dict) -> None:
     """Write the phase's result and end the script."""
     path = result_path()
     with open(path + ".part", "w") as f:
-        json.dump({**result, "local_world_size": _sharers()[1]}, f)
+        json.dump({**result, "local_world_size": _sharers()}, f)
     os.replace(path + ".part", path)
     raise SystemExit(0)
 
@@ -476,7 +477,7 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
     if group is not None:  # a member prepares its share on its own workers or DALI pipeline, from the fetch path
         dataset, dali = dataset.unfed(), group.dali
     source, storage, cache = dataset.source, dataset.storage, dataset.cache
-    cores = max(1, len(os.sched_getaffinity(0)) // _sharers()[1])  # this rank's share
+    cores = max(1, len(os.sched_getaffinity(0)) // _sharers())  # this rank's share
     part, parts = _part()
     n = max(1, min(len(dataset) // parts, samples))
     order = random.Random(0).sample(range(len(dataset)), len(dataset))
@@ -524,7 +525,7 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         result["C"], result["C_from"] = n / (time.perf_counter() - started), "memory copy"
     result["cached_fraction"] = len(cached) / n
     peers = getattr(dataset, "peers", None)
-    if peers is not None:  # partitioned caching over several servers: R, from what the others' caches took
+    if peers is not None and peers.topology.nodes > 1:  # partitioned caching: R, from what the others' caches took
         result["servers"] = peers.topology.nodes
         result["R"], result["R_samples"] = _peer_rate(peers, order, n, batch_size, cores)
     if len(cached) >= min(n, PREP_MIN_BATCHES * batch_size):  # through the cache, as the job's hits go
@@ -546,8 +547,8 @@ def _peer_rate(peers, order: list[int], n: int, batch_size: int, cores: int) -> 
     threads, as its workers fetch), over the part of ``order`` that the same local rank of the next server
     put in that server's cache; and how many samples that was. Every rank of the job takes part: the caches
     are mapped as at an epoch start (:meth:`PeerTier.begin_epoch`), once each holds its ranks' parts, and no
-    rank goes on before all have fetched (a server's cache goes with its processes). None: the next
-    server's cache took nothing."""
+    rank goes on before all have fetched (a server's cache goes with its processes). None: nothing was
+    fetched (the next server's cache took none of its part, or it is missing from the map)."""
     t = peers.topology
     peers.begin_epoch(RATES_EPOCH)
     theirs = ((t.node + 1) % t.nodes) * t.local_world + t.local_rank

@@ -27,7 +27,7 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
             "worker_samples_per_s": p.worker_rate,
             "predicted_samples_per_s": p.predicted,
             "measured_samples_per_s": measured,
-            "job_predicted_samples_per_s": p.ranks * p.predicted,
+            "job_predicted_samples_per_s": p.servers * p.ranks * p.predicted,
             "bottleneck": p.bottleneck,
             "stall": p.stalls(measured),
             "whatif": answers(p)}
@@ -98,8 +98,8 @@ def describe(pipeline: Pipeline, measured: float | None = None,
              (f"DALI: {p.workers} prep and {p.fetch_threads} fetch threads" if p.fetch_threads else
               f"{p.workers} workers") + f" on {p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
              (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else "") +
-             (f"; {p.ranks} ranks, each with the rates below (the job: {p.ranks} × a rank's)" if p.ranks > 1
-              else ""),
+             (f"; {p.servers * p.ranks} ranks, each with the rates below (the job: {p.servers * p.ranks} × a "
+              "rank's)" if p.servers * p.ranks > 1 else ""),
              f"  G ingestion     {_rate(p.G, p.sample_bytes)}",
              f"  P prep          {_rate(p.prep_rate, p.sample_bytes)}",
              f"  S storage       {_rate(p.S, p.sample_bytes)}",

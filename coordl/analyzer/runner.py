@@ -178,15 +178,15 @@ def _ranks_done(result_path: str) -> bool:
 def _combine(ranks: list[dict]) -> dict:
     """A torchrun job's result from its ranks' on this server (rates per rank): the slowest rank's rates, as
     the job goes at its pace, and the longest miss wait and most CPU per sample; each rank's own under
-    ``ranks``. For the members of an hp_group, which measured at once, each over its part: the group's storage, cache and prep
-    rates and cores are the members' together (each sample is fetched and prepared once for all of them),
-    and a job's samples/s the slowest member's."""
+    ``ranks``. For the members of an hp_group, which measured at once, each over its part: the group's
+    storage, cache and prep rates and cores are the members' together (each sample is fetched and prepared
+    once for all of them), and a job's samples/s the slowest member's."""
     out = dict(ranks[0])
     together = ("S", "C", "P", "cores") if out.get("hp_group") else ()
     for key in ("samples_per_s", "S", "C", "P", "Q", "R"):
-        values = [r.get(key) for r in ranks]
+        values = [r[key] for r in ranks if r.get(key) is not None]  # R: of the ranks that fetched from a peer
         if key in out and key not in together:
-            out[key] = None if None in values else min(values)  # R: None where a rank fetched nothing
+            out[key] = min(values) if values else None
     for key in together:
         out[key] = sum(r[key] for r in ranks)
     for key in ("L", "loop_cpu_s", "prep_cpu_s"):
@@ -233,8 +233,8 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
                          f"{wrong} for cold reads")
     servers = rates.get("servers", 1)
     if servers > 1 and rates["R"] is None:
-        flags.append("R: the other servers' caches took none of the subset, so nothing was fetched from a peer; "
-                     "modelled as this server alone")
+        flags.append("R: nothing was fetched from a peer (the other servers' caches took none of the subset, or "
+                     "a server was missing from the map of the caches); modelled as this server alone")
         servers = 1
     sharers = rates["local_world_size"]
     if rates.get("hp_group"):  # K coordinated jobs; the workers (or DALI threads) are all the members'
@@ -272,7 +272,7 @@ def main(args) -> int:
     except PhaseFailed as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
         for phase, result in e.measured.items():  # the partial report
-            rates = {k: round(v, 1) for k, v in result.items() if k in ("samples_per_s", "S", "C", "P", "Q") and v}
+            rates = {k: round(v, 1) for k, v in result.items() if k in ("samples_per_s", "S", "C", "P", "Q", "R") and v}
             print(f"measured before that, {phase}: " + ", ".join(f"{k}={v}" for k, v in rates.items()),
                   file=sys.stderr)
         return 1

@@ -55,9 +55,14 @@ def test_quick_run(tmp_path):
     assert _leftovers() == before
 
 
-def test_more_analyses_than_runs_are_refused_before_anything_is_made(tmp_path):
+def test_settings_that_leave_nothing_to_run_are_refused_before_anything_is_made(tmp_path):
     run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--analyses", "2", "--out",
                           str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--analyses should be from 1 to the runs per configuration (1)" in run.stderr
+    assert not (tmp_path / "out").exists()
+    alone = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--multi-server-only", "--servers", "1",
+                            "--out", str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "--multi-server-only needs --servers of 2 or more, not 1" in alone.stderr
     assert not (tmp_path / "out").exists()

@@ -148,6 +148,9 @@ def test_a_measured_share_from_the_peers_replaces_what_their_full_caches_would_h
     assert "from the peers" not in analyzer.describe(p, 200.0, (0.25, None))
     with pytest.raises(ValueError, match="peer_share"):
         Pipeline(**{**BASE, "R": 2000.0, "servers": 2, "peer_share": 0.8})  # 30% here + 80% > all
+    four = Pipeline(**{**BASE, "R": 2000.0, "servers": 2, "ranks": 2})  # a rank's quarter of an epoch
+    assert four.stalls()["ideal_s"] == pytest.approx(p.samples / 4 / p.G)
+    assert analyzer.to_json(four)["job_predicted_samples_per_s"] == pytest.approx(4 * four.predicted)
 
 
 def test_the_cores_bound_the_step_and_prep_together_whatever_the_workers():
