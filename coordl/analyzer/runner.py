@@ -28,6 +28,9 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
                          "batches",
                 "run": "the script as configured"}
 STOP_GRACE_S = 5.0
+WATCH_S = 0.2
+"""How often the runner notes the processes a phase has started, so that a segment torch left for one that
+has since ended (a worker stopped as it was sending a batch) is removed with the phase."""
 TORCH_SHM = "/dev/shm"
 """Where torch's ``shm_open`` puts the segments that carry tensors between processes."""
 
@@ -64,10 +67,11 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
                                         start_new_session=True)
             except OSError as e:
                 raise PhaseFailed(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+            seen: set[int] = set()
             try:
-                status = _wait(proc, started, timeout_s, phase, say, lambda: _ranks_done(result_path))
+                status = _wait(proc, started, timeout_s, phase, say, lambda: _ranks_done(result_path), seen)
             finally:
-                _stop_group(proc)
+                _stop_group(proc, seen)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     markers = glob.glob(glob.escape(result_path) + "*" + phases.CLAIMED)
@@ -100,14 +104,16 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
                       f"--iters {iters}, and one more to time the last step): run it for longer, or lower --iters")
 
 
-def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, say, done) -> int | None:
+def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, say, done,
+          seen: set[int]) -> int | None:
     """The exit status, or None past ``timeout_s``; 0 once ``done()`` has held for :data:`STOP_GRACE_S` (a
     rank's exit can leave the others waiting in a collective); says every 10 s that the phase is still
-    running."""
+    running. Every :data:`WATCH_S` the processes the command has started go into ``seen``."""
     said, done_since = started, None
     while True:
+        seen |= _descendants(proc.pid)
         try:
-            return proc.wait(timeout=1.0)
+            return proc.wait(timeout=WATCH_S)
         except subprocess.TimeoutExpired:
             now = time.monotonic()
             if now - started > timeout_s:
@@ -121,10 +127,11 @@ def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, 
                 say(f"  ... {phase}: {now - started:.0f} s")
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def _stop_group(proc: subprocess.Popen, seen: set[int]) -> None:
     """End whatever the phase started (its workers, a peer server, torchrun's ranks): SIGTERM, then SIGKILL;
-    then remove the segments torch left in ``/dev/shm`` for a process of the group killed as it made one."""
-    stopped = {proc.pid}
+    then remove the segments torch left in ``/dev/shm`` for a process that ended as it made one: one of the
+    group, or one of ``seen`` (processes the phase started, some ended before)."""
+    stopped = {proc.pid} | seen
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
         stopped |= _members(proc.pid)
         try:
@@ -141,10 +148,37 @@ def _stop_group(proc: subprocess.Popen) -> None:
             time.sleep(0.05)
     if proc.poll() is None:
         proc.wait()
-    for pid in stopped:  # torch names a tensor's segment torch_<pid>_..., unlinked once mapped: one left is a leak
+    # torch names a tensor's segment torch_<pid>_... and unlinks it once mapped: one left by an ended process is
+    # a leak (a pid in use again is another process's now, and so are its segments)
+    for pid in (p for p in stopped if _ended(p)):
         for path in glob.glob(os.path.join(TORCH_SHM, f"torch_{pid}_*")):
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie not reaped yet)."""
+    try:
+        return proc_stat(pid)[0] == "Z"
+    except OSError:
+        return True
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes ``pid`` has started, and theirs, now (``/proc/<pid>/task/<tid>/children``; none where the
+    kernel does not have it)."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for path in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                with open(path) as f:
+                    children = {int(c) for c in f.read().split()} - found
+            except OSError:  # ended meanwhile
+                continue
+            found |= children
+            todo.extend(children)
+    return found
 
 
 def _members(group: int) -> set[int]:

@@ -361,6 +361,26 @@ while not os.path.exists(sys.argv[1]):
 """
 
 
+_ENDS_AFTER_MAKING_A_SEGMENT = """
+import os, sys, time
+child = os.fork()
+if child == 0:  # a worker of the phase that ends on its own as torch has made a tensor's segment, not unlinked
+    open(f"/dev/shm/torch_{os.getpid()}_analyze-test_1", "wb").close()
+    time.sleep(float(sys.argv[1]))  # alive long enough for the runner to note it
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_segment_torch_left_for_a_process_that_ended_before_the_phase_did_is_removed(tmp_path):
+    """The worker is gone before the phase ends, so it is not in the process group the end stops: the runner
+    noted it while it ran."""
+    with pytest.raises(runner.PhaseFailed, match="without iterating a coordl.DataLoader"):
+        runner.run_phase([sys.executable, "-c", _ENDS_AFTER_MAKING_A_SEGMENT, str(5 * runner.WATCH_S)], "ingestion",
+                         str(tmp_path), iters=1, warmup=0, timeout_s=60, say=lambda _: None)
+    assert not [p for p in os.listdir("/dev/shm") if p.endswith("_analyze-test_1")]
+
+
 def test_a_segment_torch_left_for_a_process_the_phase_end_killed_is_removed(tmp_path):
     made = tmp_path / "made"
     with pytest.raises(runner.PhaseFailed, match="without iterating a coordl.DataLoader"):
