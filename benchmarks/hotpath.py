@@ -14,8 +14,8 @@ the per-sample cost of coordl's fetch path against reading the file, in µs, mea
 ``peer_wait_s``, ``prep_s``) reads replaced by a constant, in the workers too (forked): coordl against
 it is what those timers cost; with it in ``--systems`` the same cost is also measured in-process, on
 coordl's hit path alone (best of 15 passes over every batch, with the clock and without), and estimated
-from its parts (``bound_fraction``): the clock reads a pass makes per batch, counted, times what one timer (two reads and the
-add to its counter) takes, timed alone over a million repetitions.
+from its parts (``bound_fraction``): the clock reads a pass makes per batch, counted, times what one timer
+(two reads and the add to its counter) takes, timed alone over a million repetitions.
 Writes ``results.json``, ``results.md`` and (with matplotlib) ``hotpath.png`` to ``--out``.
 """
 
@@ -89,14 +89,19 @@ def loader(system: str, root: str, workload: str, workers: int, batch_size: int,
     return coordl.DataLoader(dataset(root, workload), cache_bytes="1GiB", **options)
 
 
-@contextlib.contextmanager
 def clock(system: str):
     """For ``coordl-untimed``, the live split's clock reads 0 while the trial runs (its forked workers too)."""
+    return _live_split_clock(int if system == "coordl-untimed" else None)
+
+
+@contextlib.contextmanager
+def _live_split_clock(read):
+    """The live split reads its clock with ``read()`` (None: the real clock) while this lasts."""
     from coordl import cached_dataset
 
     real = cached_dataset.time
-    if system == "coordl-untimed":
-        cached_dataset.time = types.SimpleNamespace(perf_counter_ns=int)
+    if read is not None:
+        cached_dataset.time = types.SimpleNamespace(perf_counter_ns=read)
     try:
         yield
     finally:
@@ -178,20 +183,15 @@ def timer_cost(root: str, workload: str, batch_size: int, rounds: int = 15) -> d
 
 def clock_reads_per_batch(cached, batches: list[list[int]]) -> float:
     """The clock reads the live split makes per batch of ``batches`` through ``cached`` (counted)."""
-    from coordl import cached_dataset
-
-    real, reads = cached_dataset.time, [0]
+    reads = [0]
 
     def counted() -> int:
         reads[0] += 1
-        return real.perf_counter_ns()
+        return time.perf_counter_ns()
 
-    cached_dataset.time = types.SimpleNamespace(perf_counter_ns=counted)
-    try:
+    with _live_split_clock(counted):
         for batch in batches:
             cached.__getitems__(batch)
-    finally:
-        cached_dataset.time = real
     return reads[0] / len(batches)
 
 
