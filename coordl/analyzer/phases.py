@@ -28,7 +28,8 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   Then, where
   torch's workers prepare for coordl.DataLoader's own iterator, ``Q``: the training loop's samples/s over
   the timed window on batches that as many workers prepare from those items (nothing fetched, without end,
-  each pass in a new order), so the step and prep share the cores as in training.
+  each pass in a new order), so the step and prep share the cores as in training. The window is lengthened
+  to :data:`PREP_MIN_S`, as P's (``Q_iters`` batches over ``Q_s``).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
 
@@ -57,12 +58,14 @@ phase it leaves the group once its first batch is in (the copies then come from 
 share's loader has).
 """
 
+import atexit
 import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import itertools
 import json
+import math
 import os
 import random
 import time
@@ -81,7 +84,7 @@ PHASES = ("ingestion", "rates", "run")
 PREP_MIN_BATCHES = 4
 """Batches' worth of cached samples P is measured over through the cache; with fewer, from memory."""
 PREP_MIN_S = 5.0
-"""The least time P is measured over."""
+"""The least time P and Q are measured over."""
 CLAIMED = ".claimed"
 """Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
 coordl loader" from "too few batches" by it)."""
@@ -161,11 +164,15 @@ def _part() -> tuple[int, int]:
 
 def _finish(result: dict) -> None:
     """Write the phase's result and end the script."""
+    _write(result)
+    raise SystemExit(0)
+
+
+def _write(result: dict) -> None:
     path = result_path()
     with open(path + ".part", "w") as f:
         json.dump({**result, "local_world_size": _sharers()}, f)
     os.replace(path + ".part", path)
-    raise SystemExit(0)
 
 
 def observe(loader, start):
@@ -262,6 +269,7 @@ class _Window:
         self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
         self.cpu_started, self.rates, self.prepared = None, None, None  # the rates phase's, and Q's batches
+        self.extended = False  # Q's window has been made long enough (:meth:`_lengthen`)
         # batches torch draws before the loop has its first (counted only where the draws are: _Drawn)
         self.ahead = loader.num_workers * loader.prefetch_factor if isinstance(loader, _Parts) and \
             loader.num_workers else 0
@@ -272,23 +280,57 @@ class _Window:
         earlier one's."""
         if self.taken == self.ahead + self.warmup + self.iters:
             _drain_gpu()
-            _finish(self.result())
+            if self.phase == "rates" and not self.extended:
+                self._lengthen()
+            if self.taken == self.ahead + self.warmup + self.iters:
+                atexit.unregister(self._write_at_exit)
+                _finish(self.result())
         if self.taken == self.ahead + self.warmup:
             _drain_gpu()
             self.started, self.hits_before = time.perf_counter(), _hits(self.loader)
             self.cpu_started = time.process_time()  # the training process's, all its threads
 
+    def _lengthen(self) -> None:
+        """Q's window, once its ``iters`` are in: shorter than :data:`PREP_MIN_S` (as P's is not), it goes on
+        for as many more batches as that takes at its pace so far; where the ranks step together, for as many
+        as the rank that needs most. Should the script end first, the batches it had are written at exit."""
+        self.extended = True
+        elapsed = time.perf_counter() - self.started
+        more = _most_of_ranks(math.ceil(self.iters * (PREP_MIN_S / elapsed - 1)) if elapsed < PREP_MIN_S else 0)
+        if more:
+            self.iters += more
+            atexit.register(self._write_at_exit)
+
+    def _write_at_exit(self) -> None:
+        _drain_gpu()
+        _write(self.result())
+
     def result(self) -> dict:
+        """The window's result, over the batches the loop has taken since its clock started (``iters`` when it
+        ends at its last; fewer when the script ends in a lengthened window)."""
         elapsed, cpu_s = time.perf_counter() - self.started, time.process_time() - self.cpu_started
-        samples = self.iters * self.batch_size
+        iters = self.taken - self.ahead - self.warmup
+        samples = iters * self.batch_size
         out = {"phase": self.phase, "samples_per_s": samples / elapsed, "loop_cpu_s": cpu_s / samples,
-               "iters": self.iters, "batch_size": self.batch_size}
+               "iters": iters, "batch_size": self.batch_size}
         if self.phase == "run":
             hits, peer_hits, fetched = (now - before for now, before in zip(_hits(self.loader), self.hits_before))
             out["hit_fraction"], out["peer_hit_fraction"] = hits / max(1, fetched), peer_hits / max(1, fetched)
         if self.phase == "rates":  # the loop on prepared batches
-            return {**self.rates, "Q": out["samples_per_s"]}
+            return {**self.rates, "Q": out["samples_per_s"], "Q_iters": iters, "Q_s": elapsed}
         return out
+
+
+def _most_of_ranks(n: int) -> int:
+    """``n``, or where the script's ranks step together (``torch.distributed`` is up), the most any rank has
+    (every rank asks at the same batch, so they all end their window at the same one)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    most = torch.tensor([n], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _drain_gpu() -> None:

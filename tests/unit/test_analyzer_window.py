@@ -5,6 +5,7 @@ import json
 import types
 
 import pytest
+import torch
 
 from coordl.analyzer import phases
 
@@ -96,3 +97,80 @@ def test_q_gets_full_batches_without_end_each_pass_in_a_new_order():
     assert len({tuple(p) for p in passes}) == len(passes)  # each pass in its own order
     few = phases._prepared(_plain_loader(), ["a", "b", "c"], batch_size=4)
     assert [sorted(next(few)) for _ in range(3)] == [["a", "b", "c"]] * 3  # fewer than a batch: all of them
+
+
+def _rates_window(monkeypatch, tmp_path, clock, warmup: int, iters: int) -> "phases._Window":
+    """A rates window (Q) of ``iters`` batches after ``warmup``, on ``clock``, with no GPU."""
+    gpu = _FakeGpu(clock)
+    gpu.is_initialized = lambda: False
+    window = _window(monkeypatch, tmp_path, gpu, warmup, iters)
+    window.phase, window.rates = "rates", {"P": 1.0}
+    return window
+
+
+def test_q_shorter_than_p_is_lengthened_to_the_same_least_time(monkeypatch, tmp_path):
+    registered = []
+    monkeypatch.setattr(phases.atexit, "register", registered.append)
+    monkeypatch.setattr(phases.atexit, "unregister", registered.remove)
+    window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=4)
+    step_s = 0.25  # 4 batches: 1 s, a fifth of PREP_MIN_S
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            phases.time.now += step_s
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["Q_iters"] == 4 * phases.PREP_MIN_S / 1.0 and result["Q_s"] == pytest.approx(phases.PREP_MIN_S)
+    assert result["Q"] == pytest.approx(4 / step_s) and result["P"] == 1.0
+    assert registered == []  # written at its end: nothing left to write at exit
+
+
+def test_q_long_enough_already_ends_at_its_iters(monkeypatch, tmp_path):
+    window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=4)
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            phases.time.now += phases.PREP_MIN_S / 2
+    assert json.loads((tmp_path / "result.json").read_text())["Q_iters"] == 4
+
+
+def test_a_script_that_ends_in_the_lengthened_window_has_q_written_at_exit(monkeypatch, tmp_path):
+    registered = []
+    monkeypatch.setattr(phases.atexit, "register", registered.append)
+    window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=4)
+    for _ in range(1 + 4 + 3):  # the script's loop ends 3 batches into the lengthened window
+        window.count()
+        window.taken += 1
+        phases.time.now += 0.5
+    assert not (tmp_path / "result.json").exists() and registered == [window._write_at_exit]
+    registered[0]()  # the interpreter's exit
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["Q_iters"] == 7 and result["Q"] == pytest.approx(7 * 4 / 3.5)
+
+
+def _ask_most(rank: int, store: str, asked: int, told) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        told.put((rank, phases._most_of_ranks(asked)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_that_step_together_lengthen_q_by_the_most_any_of_them_needs(tmp_path):
+    """Two real ranks (gloo): each asks for its own count and both get the larger, so their windows end at the
+    same batch (a rank that ended first would leave the other waiting in the step's all-reduce)."""
+    context = torch.multiprocessing.get_context("spawn")
+    told = context.Queue()
+    ranks = [context.Process(target=_ask_most, args=(r, str(tmp_path / "store"), asked, told))
+             for r, asked in enumerate((3, 17))]
+    for p in ranks:
+        p.start()
+    answers = dict(told.get(timeout=60) for _ in ranks)
+    for p in ranks:
+        p.join(60)
+    assert answers == {0: 17, 1: 17} and [p.exitcode for p in ranks] == [0, 0]
+
+
+def test_a_process_alone_keeps_its_own_count():
+    assert phases._most_of_ranks(9) == 9
