@@ -176,7 +176,9 @@ def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
 
 
 def measure(cleanup, storage, config: dict, args, work: str) -> dict:
-    """One run of the job as configured: its steady epochs' samples/s and device bytes per epoch."""
+    """One run of the job as configured: its steady epochs' samples/s, device bytes per epoch, and what its
+    workers spent per miss waiting on storage and per sample preparing (to set beside the analysis's L and
+    1/P)."""
     group = _cgroup(cleanup, storage.cgroup_version, storage.device, config["read_mbps"])
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
     _, read = _run([sys.executable, JOB, storage.root, *_job_args(config, args), "--epochs", str(args.epochs),
@@ -184,9 +186,12 @@ def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     with open(out) as f:
         epochs = json.load(f)
     steady = epochs[1:]
+    misses, decoded = (sum(e[k] for e in steady) for k in ("misses", "decoded"))
     return {"samples_per_s": sum(e["samples"] for e in steady) / sum(e["time_s"] for e in steady),
             "device_bytes_per_epoch": read / len(epochs), "hit_fraction": sum(e["hits"] for e in steady) /
-            max(1, sum(e["hits"] + e["misses"] for e in steady))}
+            max(1, sum(e["hits"] + e["misses"] for e in steady)),
+            "miss_wait_s": sum(e["storage_wait_s"] for e in steady) / misses if misses else None,
+            "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None}
 
 
 def plot(configs: list[dict], out_dir: str) -> list[str]:
@@ -307,6 +312,11 @@ def main(argv=None) -> int:
                           analysis_s=max(a["analysis_s"] for a in analyses), flags=analysis.get("flags", []),
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
                           hit_fraction=[r["hit_fraction"] for r in runs])
+            if not multi_server:
+                config.update(run_miss_wait_s=[r["miss_wait_s"] for r in runs],
+                              run_prep_s_per_sample=[r["prep_s_per_sample"] for r in runs],
+                              analysis_L=[a.get("miss_wait_s") for a in analyses],
+                              analysis_P=[a["rates"]["P"] for a in analyses])
             if multi_server:
                 config.update(servers_predicted=analysis["servers_predicted"],
                               peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])

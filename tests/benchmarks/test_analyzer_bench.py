@@ -49,6 +49,9 @@ def test_quick_run(tmp_path):
     assert cold["bottleneck"] == "fetch"  # 10 MB/s and no cache
     assert min(cold["device_bytes_per_epoch"]) >= 0.9 * result["dataset_bytes"]  # every epoch from the device
     assert max(cached["device_bytes_per_epoch"]) <= 0.6 * result["dataset_bytes"]  # 1 of 2 epochs
+    assert cold["run_miss_wait_s"][0] > 0 and cached["run_miss_wait_s"] == [None]  # the steady epoch: no misses
+    assert 0 < cold["run_prep_s_per_sample"][0] < 1 and cold["analysis_L"][0] > 0
+    assert cold["analysis_P"] == [cold["rates"]["P"]]
     setup = json.loads((out / "setup.json").read_text())
     assert setup["provenance"]["git_sha"] and setup["settings"]["reps"] == 1
     assert "| 1 | 100% | 10 |" in (out / "results.md").read_text()
