@@ -302,6 +302,7 @@ class _Window:
             atexit.register(self._write_at_exit)
 
     def _write_at_exit(self) -> None:
+        """Q over the batches the loop had, where the script ends in the lengthened window."""
         _drain_gpu()
         _write(self.result())
 
