@@ -35,7 +35,8 @@ def _feed_only(encoded, target, *, device, train):
 
 
 def _loader(system: str, root: str, workers: int) -> coordl.DataLoader:
-    common = dict(batch_size=BATCH_SIZE, shuffle=True, num_workers=workers, cache_bytes="64GiB",
+    dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    common = dict(batch_size=BATCH_SIZE, shuffle=True, num_workers=workers, cache_bytes=2 * dataset_bytes,
                   cache_name=f"throughput-{os.getpid()}-{system}")
     if system == "coordl-torch":
         tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
