@@ -187,9 +187,9 @@ def measure(cleanup, storage, config: dict, args, work: str) -> dict:
         epochs = json.load(f)
     steady = epochs[1:]
     misses, decoded = (sum(e[k] for e in steady) for k in ("misses", "decoded"))
+    hits = sum(e["hits"] for e in steady)
     return {"samples_per_s": sum(e["samples"] for e in steady) / sum(e["time_s"] for e in steady),
-            "device_bytes_per_epoch": read / len(epochs), "hit_fraction": sum(e["hits"] for e in steady) /
-            max(1, sum(e["hits"] + e["misses"] for e in steady)),
+            "device_bytes_per_epoch": read / len(epochs), "hit_fraction": hits / max(1, hits + misses),
             "miss_wait_s": sum(e["storage_wait_s"] for e in steady) / misses if misses else None,
             "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None}
 
@@ -312,14 +312,14 @@ def main(argv=None) -> int:
                           analysis_s=max(a["analysis_s"] for a in analyses), flags=analysis.get("flags", []),
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
                           hit_fraction=[r["hit_fraction"] for r in runs])
-            if not multi_server:
+            if multi_server:
+                config.update(servers_predicted=analysis["servers_predicted"],
+                              peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])
+            else:
                 config.update(run_miss_wait_s=[r["miss_wait_s"] for r in runs],
                               run_prep_s_per_sample=[r["prep_s_per_sample"] for r in runs],
                               analysis_L=[a.get("miss_wait_s") for a in analyses],
                               analysis_P=[a["rates"]["P"] for a in analyses])
-            if multi_server:
-                config.update(servers_predicted=analysis["servers_predicted"],
-                              peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])
             print(f"  predicted {config['predicted_samples_per_s']:.1f}, measured {measured['median']:.1f} "
                   f"samples/s ({config['error']:+.1%}; {config['bottleneck']}); analysis {config['analysis_s']:.0f} s",
                   flush=True)

@@ -25,6 +25,7 @@ import torchvision
 from torchvision import transforms as T
 
 import coordl
+from benchmarks.storage_env import tree_bytes
 from coordl.synthetic import make_image_folder
 
 BATCH_SIZE = 64
@@ -35,8 +36,7 @@ def _feed_only(encoded, target, *, device, train):
 
 
 def _loader(system: str, root: str, workers: int) -> coordl.DataLoader:
-    dataset_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-    common = dict(batch_size=BATCH_SIZE, shuffle=True, num_workers=workers, cache_bytes=2 * dataset_bytes,
+    common = dict(batch_size=BATCH_SIZE, shuffle=True, num_workers=workers, cache_bytes=2 * tree_bytes(root),
                   cache_name=f"throughput-{os.getpid()}-{system}")
     if system == "coordl-torch":
         tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),

@@ -28,6 +28,8 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
                          "batches",
                 "run": "the script as configured"}
 STOP_GRACE_S = 5.0
+RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R")
+"""The rates (samples/s) a phase's result may hold."""
 WATCH_S = 0.2
 """How often the runner notes the processes a phase has started, so that a segment torch left for one that
 has since ended (a worker stopped as it was sending a batch) is removed with the phase."""
@@ -217,7 +219,7 @@ def _combine(ranks: list[dict]) -> dict:
     once for all of them), and a job's samples/s the slowest member's."""
     out = dict(ranks[0])
     together = ("S", "C", "P", "cores") if out.get("hp_group") else ()
-    for key in ("samples_per_s", "S", "C", "P", "Q", "R"):
+    for key in RATE_KEYS:
         values = [r[key] for r in ranks if r.get(key) is not None]  # R: of the ranks that fetched from a peer
         if key in out and key not in together:
             out[key] = min(values) if values else None
@@ -306,7 +308,7 @@ def main(args) -> int:
     except PhaseFailed as e:
         print(f"coordl analyze: {e}", file=sys.stderr)
         for phase, result in e.measured.items():  # the partial report
-            rates = {k: round(v, 1) for k, v in result.items() if k in ("samples_per_s", "S", "C", "P", "Q", "R") and v}
+            rates = {k: round(v, 1) for k, v in result.items() if k in RATE_KEYS and v}
             print(f"measured before that, {phase}: " + ", ".join(f"{k}={v}" for k, v in rates.items()),
                   file=sys.stderr)
         return 1
