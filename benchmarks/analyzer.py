@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="servers of the multi-server rows (default 2; 0 or 1: no multi-server rows)")
     parser.add_argument("--multi-server-only", action="store_true", help="only the multi-server rows")
     parser.add_argument("--workers", type=int, nargs="+", help="the one-server rows' workers (default 1 2)")
+    parser.add_argument("--fractions", type=float, nargs="+",
+                        help="the one-server rows' cache fractions (default 0 0.25 0.5 0.75 1)")
+    parser.add_argument("--mbps", type=float, nargs="+", help="the one-server rows' storage MB/s (default 10 20 40)")
     parser.add_argument("--analyses", type=int, default=1,
                         help="analyses per configuration, each before one of the runs (more than 1: the prediction "
                              "is their median; default 1)")
@@ -267,8 +270,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     grid = QUICK if args.quick else FULL
     images = args.images or (120 if args.quick else 600)
-    if args.workers:
-        grid = {**grid, "workers": tuple(args.workers)}
+    for key in ("workers", "fractions", "mbps"):
+        if getattr(args, key):
+            grid = {**grid, key: tuple(getattr(args, key))}
     if not 1 <= args.analyses <= grid["reps"]:
         print(f"--analyses should be from 1 to the runs per configuration ({grid['reps']})", file=sys.stderr)
         return 2

@@ -12,9 +12,10 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   of the dataset's raw bytes, no prep, on as many threads as cores, in passes over it for at least
   :data:`STORAGE_MIN_S`; each file is dropped from the page cache before each pass, and the process's
   block-device reads say whether the reads really were cold), ``L``
-  (what one reader waits per cold read while the storage is not saturated: once the storage has rested
-  :data:`STORAGE_REST_S` from S's reads, reads one at a time, paced at half of ``S``; a worker waits this
-  for each miss of its batch before preparing it), ``C``
+  (what a worker waits per miss while the storage is not saturated: once the storage has rested
+  :data:`STORAGE_REST_S` from S's reads, cold reads in bursts of a batch's misses at the configured cache,
+  ``L_burst``, each burst's read back to back as a worker fetches its batch's misses before preparing
+  it, the bursts paced at half of ``S``; a read that follows another is faster than one after a pause), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
   paper approximates it), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
@@ -88,8 +89,8 @@ PREP_MIN_S = 5.0
 CLAIMED = ".claimed"
 """Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
 coordl loader" from "too few batches" by it)."""
-LATENCY_READS = 64
-"""Cold reads ``L`` is the mean of (at most; the subset's first)."""
+LATENCY_READS = 128
+"""Cold reads ``L`` is the mean of (at most; the subset's first, in whole bursts)."""
 STORAGE_MIN_S = 3.0
 """The least time S is measured over (passes over the subset, each cold)."""
 STORAGE_REST_S = 1.0
@@ -546,8 +547,12 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
               "cold_fraction": _cold_fraction(device_before, passes * sum(sizes)),
               "hp_group": group is not None}
-    probe = keys[:LATENCY_READS]
-    result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s)
+    peers = getattr(dataset, "peers", None)
+    burst = misses_per_batch(batch_size, result["cache_bytes"] / (result["sample_bytes"] * len(dataset)),
+                             peers.topology.nodes if peers is not None else 1)
+    probe = keys[:max(burst, LATENCY_READS // burst * burst)]
+    result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s, burst)
+    result["L_burst"] = burst
     datas = [r[0] if stamped else r for r in raws]
     cached = []
     if cache is not None:
@@ -567,7 +572,6 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
             list(pool.map(bytes, datas))
         result["C"], result["C_from"] = n / (time.perf_counter() - started), "memory copy"
     result["cached_fraction"] = len(cached) / n
-    peers = getattr(dataset, "peers", None)
     if peers is not None and peers.topology.nodes > 1:  # partitioned caching: R, from what the others' caches took
         result["servers"] = peers.topology.nodes
         result["R"], result["R_samples"] = _peer_rate(peers, order, n, batch_size, cores)
@@ -678,19 +682,28 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _miss_wait(read, keys: list, size: int, storage_rate: float) -> tuple[float, float | None]:
-    """Mean seconds one reader waits for a cold read of one of ``keys`` (``size`` bytes in all), read one
-    at a time, after :data:`STORAGE_REST_S` of rest, and paced at half of ``storage_rate`` samples/s so
-    that the storage is never saturated; and the fraction of those bytes a block device served."""
+def misses_per_batch(batch_size: int, cache_fraction: float, servers: int = 1) -> int:
+    """The storage reads a worker makes for one batch when each of ``servers`` caches holds
+    ``cache_fraction`` of the dataset (the rest misses them all); at least 1."""
+    return max(1, round(batch_size * (1.0 - min(1.0, servers * cache_fraction))))
+
+
+def _miss_wait(read, keys: list, size: int, storage_rate: float, burst: int) -> tuple[float, float | None]:
+    """Mean seconds one reader waits for a cold read of one of ``keys`` (``size`` bytes in all), after
+    :data:`STORAGE_REST_S` of rest, in bursts of ``burst`` reads back to back (a worker's misses of one
+    batch), a burst started every ``burst`` reads' worth of half ``storage_rate`` samples/s, so that the
+    storage is never saturated; and the fraction of those bytes a block device served."""
     for key in keys:
         _evict(key)
     time.sleep(STORAGE_REST_S)
     before, waits = _device_read_bytes(), []
-    for key in keys:
+    for first in range(0, len(keys), burst):
         started = time.perf_counter()
-        read(key)
-        waits.append(time.perf_counter() - started)
-        time.sleep(max(0.0, 2.0 / storage_rate - waits[-1]))
+        for key in keys[first:first + burst]:
+            read_started = time.perf_counter()
+            read(key)
+            waits.append(time.perf_counter() - read_started)
+        time.sleep(max(0.0, 2.0 * burst / storage_rate - (time.perf_counter() - started)))
     return sum(waits) / len(waits), _cold_fraction(before, size)
 
 

@@ -48,6 +48,8 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert 0 <= doc["measured_hit_fraction"] <= 1
     assert doc["phases"]["ingestion"]["iters"] == 20 and doc["phases"]["rates"]["subset"] == 96
+    cached = doc["config"]["cache_bytes"] / doc["dataset"]["bytes"]  # L's reads come a batch's misses at a time
+    assert doc["phases"]["rates"]["L_burst"] == phases.misses_per_batch(BATCH, cached)
     assert doc["phases"]["rates"]["S_passes"] >= 2  # 96 small files read in far less than phases.STORAGE_MIN_S
     cpu = doc["cpu_s_per_sample"]  # a worker decoding on a core, at most its wall time per sample
     assert 0 < cpu["prep"] <= 1.5 / doc["rates"]["P"] and 0 < cpu["step"] < step_s / BATCH
@@ -133,6 +135,7 @@ def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path)
     assert doc["config"]["cache_bytes"] == 0 and doc["phases"]["rates"]["C_from"] == "memory copy"
     assert any("stands for a cache hit" in f for f in doc["flags"])
     assert doc["fetch_samples_per_s"] == pytest.approx(doc["rates"]["S"])  # nothing cached: F = S
+    assert doc["phases"]["rates"]["L_burst"] == BATCH  # every sample of a batch misses
     assert doc["phases"]["rates"]["P_from"] == "memory" and doc["phases"]["rates"]["Q"] > 0  # from the bytes held
 
 

@@ -1,0 +1,35 @@
+"""L's probe: cold reads in bursts of a batch's misses, the bursts paced below the storage's rate."""
+import time
+
+import pytest
+
+from coordl.analyzer import phases
+
+
+def test_misses_per_batch_follow_the_cache_and_its_peers():
+    assert phases.misses_per_batch(16, 0.0) == 16
+    assert phases.misses_per_batch(16, 0.25) == 12
+    assert phases.misses_per_batch(16, 0.25, servers=2) == 8  # the other server's cache holds another quarter
+    assert phases.misses_per_batch(16, 1.0) == 1  # no misses: a lone read still measures one
+    assert phases.misses_per_batch(16, 0.6, servers=2) == 1
+
+
+def test_reads_come_in_back_to_back_bursts_paced_at_half_the_storage_rate(monkeypatch):
+    monkeypatch.setattr(phases, "STORAGE_REST_S", 0.0)
+    starts = []
+
+    def read(key):
+        starts.append(time.perf_counter())
+        time.sleep(0.002)
+        return b"x"
+
+    rate = 200.0  # samples/s: a burst of 4 every 4 · 2 / 200 = 40 ms
+    mean, cold = phases._miss_wait(read, [f"/nonexistent/{i}" for i in range(10)], 10, rate, burst=4)
+    assert len(starts) == 10
+    assert mean == pytest.approx(0.002, abs=0.0015)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    within = [g for i, g in enumerate(gaps) if (i + 1) % 4 != 0]
+    between = [gaps[3], gaps[7]]
+    assert max(within) < 0.015  # back to back: a read's own 2 ms, not a pause
+    assert starts[4] - starts[0] >= 0.040 - 0.001 and starts[8] - starts[4] >= 0.040 - 0.001
+    assert min(between) > 0.030  # the pause after a burst
