@@ -17,7 +17,7 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   ``L_burst``, each burst's read back to back as a worker fetches its batch's misses before preparing
   it, the bursts paced at half of ``S``; a read that follows another is faster than one after a pause), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
-  paper approximates it), and ``P`` (the items the cache took, or where it took
+  paper approximates it; in passes for at least :data:`HIT_MIN_S` after a first), and ``P`` (the items the cache took, or where it took
   too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
   nothing else running, over at least 2 passes and 5 s after a first that starts the workers; and the
   CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
@@ -93,6 +93,8 @@ LATENCY_READS = 128
 """Cold reads ``L`` is the mean of (at most; the subset's first, in whole bursts)."""
 STORAGE_MIN_S = 3.0
 """The least time S is measured over (passes over the subset, each cold)."""
+HIT_MIN_S = 1.0
+"""The least time C is measured over (passes over the items the cache took)."""
 STORAGE_REST_S = 1.0
 """Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
 RATES_EPOCH = 2
@@ -562,15 +564,9 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         row = dataset.counters.row()
         cached = [i for i in subset if cache.get(i) is not None]
     if cached:  # the hit path, timed over the items the cache took
-        started = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            list(pool.map(lambda i: dataset._cached(i, row), cached))
-        result["C"], result["C_from"] = len(cached) / (time.perf_counter() - started), "cache"
+        result["C"], result["C_from"] = _hit_rate(lambda i: dataset._cached(i, row), cached, cores), "cache"
     else:  # no cache, or it took nothing: a copy of the bytes in memory stands for a hit (CoorDL §5.1 (iv))
-        started = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            list(pool.map(bytes, datas))
-        result["C"], result["C_from"] = n / (time.perf_counter() - started), "memory copy"
+        result["C"], result["C_from"] = _hit_rate(bytes, datas, cores), "memory copy"
     result["cached_fraction"] = len(cached) / n
     if peers is not None and peers.topology.nodes > 1:  # partitioned caching: R, from what the others' caches took
         result["servers"] = peers.topology.nodes
@@ -587,6 +583,18 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
     return result, prepared if group is None else None
+
+
+def _hit_rate(hit, items: list, cores: int) -> float:
+    """Items/s of ``hit(item)`` over ``items`` on ``cores`` threads, over the passes after a first, for at least
+    :data:`HIT_MIN_S` (one pass takes milliseconds: a single stall of the process would set it)."""
+    with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+        list(pool.map(hit, items))
+        started, passes = time.perf_counter(), 0
+        while passes == 0 or time.perf_counter() - started < HIT_MIN_S:
+            list(pool.map(hit, items))
+            passes += 1
+        return passes * len(items) / (time.perf_counter() - started)
 
 
 def _peer_rate(peers, order: list[int], n: int, batch_size: int, cores: int) -> tuple[float | None, int]:

@@ -33,3 +33,17 @@ def test_reads_come_in_back_to_back_bursts_paced_at_half_the_storage_rate(monkey
     assert max(within) < 0.015  # back to back: a read's own 2 ms, not a pause
     assert starts[4] - starts[0] >= 0.040 - 0.001 and starts[8] - starts[4] >= 0.040 - 0.001
     assert min(between) > 0.030  # the pause after a burst
+
+
+def test_hit_rate_is_timed_over_passes_after_a_first_for_at_least_the_least_time(monkeypatch):
+    monkeypatch.setattr(phases, "HIT_MIN_S", 0.05)
+    calls = []
+
+    def hit(item):
+        calls.append(item)
+        time.sleep(0.01 if len(calls) <= 3 else 0.001)  # the first pass is slow (a stall), the rest are not
+        return item
+
+    rate = phases._hit_rate(hit, [1, 2, 3], cores=1)
+    assert len(calls) % 3 == 0 and len(calls) >= 3 * 3  # whole passes: the first, then enough for 50 ms
+    assert rate > 3 / 0.010  # the first pass's 10 ms a hit is not in it
