@@ -400,21 +400,18 @@ class Segment:
     def leave(self, slot: int, forget: Callable, companions: str | None = None) -> None:
         """Stop using the segment: under the mutex ``forget(buf)`` this user's row and give up ``slot``;
         if no live user is left, unlink the segment (and the segments named ``companions*``). Then close.
-        Idempotent; at interpreter exit, views still held elsewhere leave the unmapping to the OS."""
+        Idempotent."""
         if self.buf is None:
             return
-        try:
-            with self.locked():
-                forget(self.buf)
-                self.release_slot(slot)
-                if not self.live_slots():
-                    if companions is not None:
-                        unlink_segments(companions)
-                    self.unlink()
-                    logger.debug("removed %s (last user gone)", self.name)
-            self.close()
-        except BufferError:
-            pass
+        with self.locked():
+            forget(self.buf)
+            self.release_slot(slot)
+            if not self.live_slots():
+                if companions is not None:
+                    unlink_segments(companions)
+                self.unlink()
+                logger.debug("removed %s (last user gone)", self.name)
+        self.close()
 
     def release_slot(self, slot: int) -> None:
         if slot in self._slots and self._lock_fd >= 0:
@@ -472,10 +469,12 @@ class Segment:
                 os.unlink(self.path)
 
     def close(self) -> None:
-        """Drop this process's slots and locks, unmap and close; idempotent. Views into :attr:`buf`
-        must be released first."""
+        """Drop this process's slots and locks, unmap and close; idempotent. Where views into :attr:`buf`
+        are still held (``MinIOCache.view``), the mapping (and the descriptor ``mmap`` keeps of its own)
+        goes with the last of them instead."""
         if self.buf is not None:
-            self.buf.close()
+            with contextlib.suppress(BufferError):
+                self.buf.close()
             self.buf = None
         for fd in (self._lock_fd, self._map_fd):
             if fd >= 0:

@@ -148,8 +148,9 @@ class CachedDataset(torch.utils.data.Dataset):
         the cache). See :meth:`fetch_many`."""
         return self.fetch_many([index], row)[0]
 
-    def fetch_many(self, indices: list[int], row: np.ndarray) -> list:
-        """Raw bytes of each of ``indices``: from the node's cache, else (partitioned) from the peer that
+    def fetch_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
+        """Raw bytes of each of ``indices``: from the node's cache (``views``: as read-only views into it,
+        no copy; see ``MinIOCache.view``), else (partitioned) from the peer that
         caches it, else from storage, offered to the cache (see ``partitioned`` NOTE [ Peer read path ]:
         peers are asked for all of a batch's misses before storage is read).
 
@@ -165,7 +166,7 @@ class CachedDataset(torch.utils.data.Dataset):
             exit_when_orphaned(self._release)
         raws, misses = [], []
         for k, index in enumerate(indices):
-            raw = self._cached(index, row)
+            raw = self._cached(index, row, views)
             raws.append(raw)
             if raw is None:
                 misses.append(k)
@@ -200,12 +201,13 @@ class CachedDataset(torch.utils.data.Dataset):
                         raws[k] = raw
         return raws
 
-    def _cached(self, index: int, row: np.ndarray):
-        """The node's cached bytes of ``index`` if they are current, else None (counted ``stale`` if not)."""
+    def _cached(self, index: int, row: np.ndarray, view: bool = False):
+        """The node's cached bytes of ``index`` (``view``: a view, not a copy) if they are current, else None
+        (counted ``stale`` if not)."""
         cache = self.cache
         if cache is None:
             return None
-        raw = cache.get(index)
+        raw = cache.view(index) if view else cache.get(index)
         if raw is None:
             return None
         if is_current(self.storage, self.source.raw_key(index), cache.stamp(index)):

@@ -144,10 +144,12 @@ class CacheStats:
 
 
 class _Views:
-    """numpy views onto a mapped cache segment (dropped before the mapping is closed)."""
+    """numpy views onto a mapped cache segment, and a read-only view of all of it (``data``, which
+    :meth:`MinIOCache.view` slices); dropped before the mapping is closed."""
 
     def __init__(self, buf, n_items: int):
         offsets_at, lengths_at, stamps_at, status_at, self.data_at = _index_layout(n_items)
+        self.data = memoryview(buf).toreadonly()
         self.header = np.ndarray((_HEADER_FIELDS,), np.int64, buf, 0)
         self.users = np.ndarray((MAX_CACHE_USERS, 2), np.int64, buf, _USERS_AT)
         self.offsets = np.ndarray((n_items,), np.int64, buf, offsets_at)
@@ -372,9 +374,19 @@ class MinIOCache:
         start = views.data_at + int(views.offsets[index])
         return self._segment.buf[start:start + int(views.lengths[index])]
 
+    def view(self, index: int) -> memoryview | None:
+        """The cached bytes of item ``index`` without a copy (a read-only view into the cache's mapping),
+        or None on a miss. Takes no lock. A ready item never moves or changes, and the mapping stays
+        until the last view into it is gone, even past :meth:`close` (the segment's name goes as usual)."""
+        views = self._ensure()
+        if views.status[index] != _READY:
+            return None
+        start = views.data_at + int(views.offsets[index])
+        return views.data[start:start + int(views.lengths[index])]
+
     def stamp(self, index: int) -> tuple[int, int, int]:
         """The stamp item ``index`` was put with, its length last (zeros before it if none); read it once
-        :meth:`get` returned the item."""
+        :meth:`get` or :meth:`view` returned the item."""
         views = self._views
         version, length = views.stamps[index].tolist(), int(views.lengths[index])
         return version[0], version[1], length

@@ -107,7 +107,7 @@ def cache_lookup(cache, source, storage):
     """``lookup`` serving ``cache``'s items as a local hit is served: with a storage that stamps its files,
     only while the item's file still has the stamp it was cached with (``storage.is_current``)."""
     def lookup(index: int):
-        raw = cache.get(index)
+        raw = cache.view(index)  # no copy: the reply is joined from it
         return raw if raw is not None and is_current(storage, source.raw_key(index), cache.stamp(index)) else None
     return lookup
 
@@ -125,7 +125,7 @@ class CacheKeeper:
         """(``STORED``, the stamp to keep it with) if an item of ``length`` bytes would be kept (send its
         bytes), else (``FULL`` or ``DECLINED``, None)."""
         cache = self.cache
-        if cache.get(index) is not None:
+        if cache.view(index) is not None:
             return wire.DECLINED, None
         if cache.full:
             return wire.FULL, None

@@ -562,7 +562,7 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
             data, stamp = raw if stamped else (raw, None)
             cache.put(index, data, stamp)
         row = dataset.counters.row()
-        cached = [i for i in subset if cache.get(i) is not None]
+        cached = [i for i in subset if cache.view(i) is not None]
     if cached:  # the hit path, timed over the items the cache took
         result["C"], result["C_from"] = _hit_rate(lambda i: dataset._cached(i, row), cached, cores), "cache"
     else:  # no cache, or it took nothing: a copy of the bytes in memory stands for a hit (CoorDL §5.1 (iv))
@@ -638,7 +638,7 @@ class _Held(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         return self.source.decode_raw(index, self.raws[index])
 
-    def fetch_many(self, indices: list[int], row) -> list:
+    def fetch_many(self, indices: list[int], row, views: bool = False) -> list:
         return [self.raws[i] for i in indices]
 
 

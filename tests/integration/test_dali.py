@@ -152,6 +152,21 @@ def test_epoch_two_hits_equal_the_cached_items(image_root, caplog):
     assert len(lines) == 3 and f"hits={cached}" in lines[1] and f"misses={N_IMAGES - cached}" in lines[2]
 
 
+def test_hits_fed_from_the_cache_in_place_decode_as_the_files_do(image_root):
+    """Epoch 2's samples are all hits, fed to DALI as views into the cache's shared memory: the eval
+    transform (no randomness) gives what epoch 1 gave from the files, and nothing outlives close()."""
+    dataset = _indexed(image_root)
+    whole = 2 * sum(os.path.getsize(f) for f in dataset.files)
+    with coordl.DataLoader(dataset, batch_size=8, backend="dali", num_workers=2, cache_bytes=whole,
+                           cache_name=f"dali-views-{os.getpid()}") as loader:  # no shuffle: eval
+        first, second = ([(images.clone(), labels.clone()) for images, labels in loader] for _ in range(2))
+        epochs = loader.stats().epochs
+    assert (epochs[0].misses, epochs[1].hits) == (N_IMAGES, N_IMAGES)
+    assert len(first) == len(second) == N_IMAGES // 8
+    for (a, a_labels), (b, b_labels) in zip(first, second):
+        assert torch.equal(a_labels, b_labels) and torch.equal(a, b)
+
+
 def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
     dataset = _indexed(image_root)
     with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, backend="dali",

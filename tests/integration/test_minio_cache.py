@@ -1,5 +1,6 @@
 """The MinIO cache: exact hit accounting, concurrent fill, sharing across jobs, capacity checks."""
 
+import contextlib
 import os
 import secrets
 
@@ -79,6 +80,44 @@ def test_full_cache_freezes_and_inserts_nothing_more():
         assert [cache.put(i, bytes([i]) * 100) for i in range(4)] == [True, True, False, False]
         assert cache.stats().frozen and cache.stats().items_cached == 2
         assert cache.get(1) == bytes([1]) * 100 and cache.get(2) is None
+
+
+def test_a_view_is_the_cached_bytes_read_only_without_a_copy():
+    with MinIOCache(_name(), n_items=3, capacity_bytes=1 << 20, fingerprint=bytes(32)) as cache:
+        cache.put(0, b"jpeg bytes")
+        view = cache.view(0)
+        assert isinstance(view, memoryview) and view.readonly and view == cache.get(0) == b"jpeg bytes"
+        assert cache.view(1) is None
+        with pytest.raises(TypeError):
+            view[0] = 0
+        del view
+
+
+def _descriptors_on(inode: tuple[int, int]) -> int:
+    """This process's open descriptors on the file ``(st_dev, st_ino)`` (also once it is removed)."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # listdir's own descriptor is gone by now
+            st = os.stat(f"/proc/self/fd/{fd}")
+            found += (st.st_dev, st.st_ino) == inode
+    return found
+
+
+def test_a_view_held_past_close_keeps_its_bytes_and_the_last_view_unmaps_them():
+    """close() with a view still held: the segment is removed and its descriptors closed as always; the
+    mapping (and mmap's own descriptor) stays until the view goes, and the bytes stay what they were."""
+    cache = MinIOCache(_name(), n_items=2, capacity_bytes=1 << 20, fingerprint=bytes(32))
+    cache.put(1, b"x" * 5000)
+    path = segment_path(cache.name)
+    inode = (os.stat(path).st_dev, os.stat(path).st_ino)
+    view = cache.view(1)
+    assert _descriptors_on(inode) >= 2  # the segment's own and mmap's
+    cache.close()
+    assert not os.path.exists(path)  # the last user out removed it
+    assert _descriptors_on(inode) == 1  # mmap's, held by the view
+    assert view == b"x" * 5000
+    del view
+    assert _descriptors_on(inode) == 0
 
 
 @pytest.mark.slow
