@@ -17,10 +17,10 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   ``L_burst``, each burst's read back to back as a worker fetches its batch's misses before preparing
   it, the bursts paced at half of ``S``; a read that follows another is faster than one after a pause), ``C``
   (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
-  paper approximates it; in passes for at least :data:`HIT_MIN_S` after a first), and ``P`` (the items the cache took, or where it took
-  too few the subset's bytes held in memory, decoded and transformed by the loader's workers with
-  nothing else running, over at least 2 passes and 5 s after a first that starts the workers; and the
-  CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
+  paper approximates it; in passes for at least :data:`HIT_MIN_S` after a first), and ``P`` (the items
+  the cache took, or where it took too few the subset's bytes held in memory, decoded and transformed
+  by the loader's workers with nothing else running, over at least 2 passes and 5 s after a first that
+  starts the workers; and the CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
   ``backend='dali'``, P is the loader's DALI pipeline (a second one with the same settings) preparing
   those items, and the result says how many threads fetch ahead of it (``fetch_threads``). In a job over
   several servers with partitioned caching, ``R`` too (after C, before P): the servers' caches, each holding
