@@ -3,18 +3,14 @@ repetitions with their spread, every steady epoch served from the cache, and the
 
 import json
 import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks._bench import run_module
 
 
 def test_a_tiny_run_repeats_the_chosen_systems_interleaved(tmp_path, shm_namespace):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.dali_throughput", "--images", "64", "--epochs", "2",
-                           "--workers", "1", "--systems", "feed", "coordl-torch", "--reps", "2", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run_module("benchmarks.dali_throughput", ["--images", "64", "--epochs", "2", "--workers", "1", "--systems",
+                                                     "feed", "coordl-torch", "--reps", "2", "--out", str(out)], tmp_path)
     assert done.returncode == 0, done.stderr
     with open(out / "results.json") as f:
         result = json.load(f)

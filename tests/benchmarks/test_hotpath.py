@@ -3,18 +3,14 @@ the fetch cost measured, and nothing left behind."""
 
 import json
 import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks._bench import run_module
 
 
 def test_a_tiny_hot_path_run_measures_both_loaders_at_every_point(tmp_path, shm_namespace):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.hotpath", "--images", "64", "--mean-side-px", "40",
-                           "--workers", "0", "1", "--reps", "2", "--epochs", "1", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run_module("benchmarks.hotpath", ["--images", "64", "--mean-side-px", "40", "--workers", "0", "1", "--reps",
+                                             "2", "--epochs", "1", "--out", str(out)], tmp_path)
     assert done.returncode == 0, done.stderr
     with open(out / "results.json") as f:
         result = json.load(f)
@@ -45,11 +41,9 @@ def test_untimed_coordl_reads_no_clock_in_the_workers_and_is_compared_with_coord
             dl.close()
     assert prep_s["coordl"] > 0 and prep_s["coordl-untimed"] == 0  # the worker's clock read 0 throughout
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.hotpath", "--images", "32", "--mean-side-px", "40",
-                           "--workers", "0", "--workloads", "bytes", "--systems", "coordl", "coordl-untimed",
-                           "--reps", "2", "--epochs", "1", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run_module("benchmarks.hotpath", ["--images", "32", "--mean-side-px", "40", "--workers", "0", "--workloads",
+                                             "bytes", "--systems", "coordl", "coordl-untimed", "--reps", "2", "--epochs",
+                                             "1", "--out", str(out)], tmp_path)
     assert done.returncode == 0, done.stderr
     with open(out / "results.json") as f:
         result = json.load(f)
