@@ -266,19 +266,34 @@ def _configs(grid: dict, servers: int, dataset_bytes: int, sizes: list[int]) -> 
             for x in grid["fractions"] for mbps in grid["mbps"] for w in grid["workers"]]
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def checked_grid(args: argparse.Namespace) -> dict:
+    """The one-server rows' grid (the full or quick one, with ``--workers``, ``--fractions`` and ``--mbps`` in
+    place of its own), once the settings are checked. Raises ValueError naming a setting that is off."""
     grid = QUICK if args.quick else FULL
-    images = args.images or (120 if args.quick else 600)
     for key in ("workers", "fractions", "mbps"):
         if getattr(args, key):
             grid = {**grid, key: tuple(getattr(args, key))}
+    if not all(0 <= x <= 1 for x in grid["fractions"]):
+        raise ValueError(f"--fractions should be cache fractions from 0 to 1, not {list(grid['fractions'])}")
+    if not all(mbps > 0 for mbps in grid["mbps"]):
+        raise ValueError(f"--mbps should be storage bandwidths above 0, not {list(grid['mbps'])}")
+    if not all(w >= 1 for w in grid["workers"]):
+        raise ValueError(f"--workers should be 1 or more, not {list(grid['workers'])}")
     if not 1 <= args.analyses <= grid["reps"]:
-        print(f"--analyses should be from 1 to the runs per configuration ({grid['reps']})", file=sys.stderr)
-        return 2
+        raise ValueError(f"--analyses should be from 1 to the runs per configuration ({grid['reps']})")
     if args.multi_server_only and args.servers < 2:
-        print(f"--multi-server-only needs --servers of 2 or more, not {args.servers}", file=sys.stderr)
+        raise ValueError(f"--multi-server-only needs --servers of 2 or more, not {args.servers}")
+    return grid
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        grid = checked_grid(args)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
+    images = args.images or (120 if args.quick else 600)
     servers_grid = SERVERS_QUICK if args.quick else SERVERS_FULL
     version = cgroup_version()
     if not version:

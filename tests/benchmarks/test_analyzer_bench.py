@@ -69,3 +69,25 @@ def test_settings_that_leave_nothing_to_run_are_refused_before_anything_is_made(
                            capture_output=True, text=True, timeout=120)
     assert alone.returncode == 2 and "--multi-server-only needs --servers of 2 or more, not 1" in alone.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_grid_takes_the_given_fractions_bandwidths_and_workers():
+    from benchmarks.analyzer import FULL, _configs, checked_grid, parse_args
+    assert checked_grid(parse_args(["--out", "x"])) == FULL
+    grid = checked_grid(parse_args(["--out", "x", "--fractions", "0.5", "1", "--mbps", "20", "--workers", "2"]))
+    assert grid == {**FULL, "fractions": (0.5, 1.0), "mbps": (20.0,), "workers": (2,)}
+    configs = _configs(grid, 1, dataset_bytes=1000, sizes=[300, 700])
+    assert [(c["cache_fraction"], c["read_mbps"], c["workers"], c["cache_bytes"]) for c in configs] == \
+        [(0.5, 20.0, 2, 500), (1.0, 20.0, 2, 1700)]  # all of it: room for the largest file besides
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fractions", "0.5", "1.5"], "--fractions should be cache fractions from 0 to 1, not [0.5, 1.5]"),
+    (["--mbps", "0"], "--mbps should be storage bandwidths above 0, not [0.0]"),
+    (["--workers", "0", "1"], "--workers should be 1 or more, not [0, 1]"),
+])
+def test_a_grid_setting_that_is_off_is_named_before_anything_is_made(tmp_path, argv, message):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", *argv, "--out", str(tmp_path / "out")],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr
+    assert not (tmp_path / "out").exists()
