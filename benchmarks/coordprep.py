@@ -18,6 +18,10 @@ system's K jobs share one memory cgroup with a budget of ``--memory-fraction`` o
 baseline's page cache gets all of it; coordl's staging area (``hp_staging_bytes``) comes out of it and
 its page cache gets the rest. So the K independent jobs pay the paper's I/O amplification (each reads
 the dataset through a page cache too small to hold it), where the group reads it once per epoch.
+With ``--drop-page-cache`` the coordl jobs drop the pages of each file they read (the group reads a
+sample once an epoch for all K jobs, so a kept page could serve only the next epoch): their page cache
+then stays within its budget at every moment, where a worker reading a batch's files at once
+otherwise leaves a batch of pages above it until the bound squeezes them out.
 Without root there is no throttle and no bound, and device bytes come from each job's /proc/self/io.
 
 Each system runs ``--reps`` times, the systems' order reversed every other time; a system's figures are
@@ -98,7 +102,8 @@ def run_child(args) -> None:
     grouped = args.child.startswith("coordl")
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     group = dict(cache_bytes=args.cache_bytes, hp_group=args.group, hp_group_size=args.jobs, hp_group_timeout_s=300,
-                 hp_staging_bytes=int(args.staging_bytes) if args.staging_bytes.isdigit() else args.staging_bytes)
+                 hp_staging_bytes=int(args.staging_bytes) if args.staging_bytes.isdigit() else args.staging_bytes,
+                 drop_page_cache=True if args.drop_page_cache else None)
     if args.child == "dali":  # a plain DALI user's job: reads and reshuffles on its own
         loader = file_reader_loader(args.root, order="shuffle", batch_size=args.batch_size, num_threads=args.workers,
                                     seed=os.getpid())
@@ -169,7 +174,7 @@ def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging, epoch
            "--barrier", barrier,
            "--jobs", str(args.jobs), "--epochs", str(epochs), "--workers", str(args.workers),
            "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--cache-bytes", str(args.cache_bytes),
-           "--staging-bytes", str(staging)]
+           "--staging-bytes", str(staging)] + (["--drop-page-cache"] if args.drop_page_cache else [])
     logs = [tuple(open(os.path.join(workdir, f"{system}-{tag}-{k}.{kind}"), "w+") for kind in ("out", "err"))
             for k in range(args.jobs)]
     # The group is bounded, and its device reads counted, from the moment every job has imported its
@@ -323,6 +328,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per job (default: cores // K)")
     parser.add_argument("--step-ms", type=float, default=30, help="training stand-in: time per batch (default: 30)")
     parser.add_argument("--cache-bytes", default="0", help="coordl jobs' MinIO cache (default: 0, off)")
+    parser.add_argument("--drop-page-cache", action="store_true",
+                        help="coordl jobs drop the pages of the files they read (drop_page_cache=True; default: as "
+                             "coordl does, which with no cache leaves them)")
     parser.add_argument("--memory-fraction", type=float, default=0.5,
                         help="each system's memory budget beside what its jobs hold, as a fraction of the dataset: "
                              "page cache (and coordl's staging area); 0: not bounded (default: 0.5)")
@@ -377,7 +385,8 @@ def main(argv=None) -> int:
         result = {"backend": args.backend, "jobs": args.jobs, "images": args.images, "dataset_bytes": dataset_bytes,
                   "epochs": args.epochs, "batch_size": args.batch_size, "workers_per_job": args.workers,
                   "step_ms": args.step_ms, "read_mbps": args.read_mbps if storage.mode == "cgroup" else None,
-                  "memory_fraction": args.memory_fraction, "cache_bytes": args.cache_bytes, "storage_mode": mode,
+                  "memory_fraction": args.memory_fraction, "cache_bytes": args.cache_bytes,
+                  "coordl_drop_page_cache": args.drop_page_cache, "storage_mode": mode,
                   "reps": args.reps, **_tags(), "systems": systems,
                   "summary": {name: _over_runs(rows, None if name == names[0] else baseline)
                               for name, rows in per_run.items()}}

@@ -66,6 +66,25 @@ def test_quick_run(tmp_path, backend, systems, reps):
 
 
 @pytest.mark.slow
+def test_coordl_jobs_that_drop_the_pages_they_read_keep_none(tmp_path):
+    before = _leftovers()
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--drop-page-cache",
+                          "--out", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["coordl_drop_page_cache"] is True
+    torch_jobs, coordl = result["summary"]["torch"], result["summary"]["coordl"]
+    assert coordl["decoded_x_dataset"] == [1.0, 1.0]
+    if cgroup_version():  # every epoch from the device; the group's page cache stays below one batch's files
+        assert coordl["device_read_x_dataset_per_epoch"] >= 0.99
+        batch_files = result["dataset_bytes"] / result["images"] * result["batch_size"]
+        assert coordl["peak_page_cache_bytes"] < batch_files < torch_jobs["peak_page_cache_bytes"]
+    assert _leftovers() == before
+
+
+@pytest.mark.slow
 def test_sigterm_mid_run_leaves_nothing(tmp_path):
     before, groups_before = _leftovers(), {g.name for g in list_groups()}
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick",
