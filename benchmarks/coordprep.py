@@ -28,8 +28,9 @@ Each system runs ``--reps`` times, the systems' order reversed every other time;
 the median over its runs (per-job samples/s with its min and max, and each run's speedup over the
 baseline's run beside it). Reported per system: per-job samples/s per epoch, samples decoded per epoch
 over all jobs, bytes read from the dataset's device while the jobs train (counted from the moment all
-K jobs have started up, when they begin together), the page cache and held memory of the group, and
-(coordl) the staging area's peak. The dataset's files are evicted from the page cache before each system. As root, each
+K jobs have started up, when they begin together), the page cache and held memory of the group,
+(coordl) the staging area's peak, and where the CPU went: CPU ms per decoded sample in the jobs' main
+processes and in their workers, and the cores kept busy. The dataset's files are evicted from the page cache before each system. As root, each
 system's K jobs first warm up outside any cgroup (one epoch over a small dataset on the real disk), so
 that the libraries they load are not charged to the measured group, and the group is bounded only from
 the moment all K jobs have built their loaders.
@@ -70,6 +71,55 @@ def _proc_read_bytes() -> int:
     """Bytes this process (and its reaped children) caused to be read from storage."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (its children, theirs, ...)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task") if os.path.isdir(f"/proc/{parent}/task") else ():
+            with contextlib.suppress(OSError), open(f"/proc/{parent}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+                found += children
+                todo += children
+    return found
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(this process's CPU seconds, all threads; its workers': the live descendants' and the reaped
+    children's). The difference of two readings is what each did in between."""
+    import resource
+
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), reaped.ru_utime + reaped.ru_stime + sum(_cpu_s(p) for p in _descendants(os.getpid()))
+
+
+def cpu_split(jobs: list[list[dict]], epochs: int) -> dict:
+    """Where the K jobs' CPU went in the steady epochs (2.., or 1 if there is only one): CPU ms per
+    decoded sample in the jobs' main processes (training loop, coordl's producer) and in their workers,
+    and the cores kept busy (per epoch: the jobs' CPU seconds over the slowest job's time; the median)."""
+    first = 2 if epochs > 1 else 1
+    steady = [r for job in jobs for r in job if r["epoch"] >= first]
+    decoded = sum(r["decoded"] for r in steady)
+    busy = [sum(r["main_cpu_s"] + r["workers_cpu_s"] for r in rows) / max(r["time_s"] for r in rows)
+            for rows in ([r for r in steady if r["epoch"] == e] for e in range(first, epochs + 1)) if rows]
+    return {"main_cpu_ms_per_decoded_sample": round(1000 * sum(r["main_cpu_s"] for r in steady) / decoded, 3),
+            "workers_cpu_ms_per_decoded_sample": round(1000 * sum(r["workers_cpu_s"] for r in steady) / decoded, 3),
+            "cores_busy": round(statistics.median(busy), 2)}
+
+
+CPU_KEYS = ("main_cpu_ms_per_decoded_sample", "workers_cpu_ms_per_decoded_sample", "cores_busy")
 
 
 def staged_batch_bytes(batch_size: int) -> int:
@@ -120,13 +170,15 @@ def run_child(args) -> None:
         time.sleep(0.01)
     for epoch in range(1, args.epochs + 1):
         read_before, started, samples = _proc_read_bytes(), time.perf_counter(), 0
+        cpu_before = cpu_seconds()
         for _, labels in loader:
             samples += len(labels)
             time.sleep(args.step_ms / 1000)  # the training step
         elapsed = time.perf_counter() - started
+        main_cpu, workers_cpu = (after - before for after, before in zip(cpu_seconds(), cpu_before))
         row = {"epoch": epoch, "samples": samples, "time_s": round(elapsed, 3),
                "samples_per_s": round(samples / elapsed, 1), "proc_read_bytes": _proc_read_bytes() - read_before,
-               "decoded": samples}
+               "decoded": samples, "main_cpu_s": round(main_cpu, 3), "workers_cpu_s": round(workers_cpu, 3)}
         if grouped:
             e = loader.stats().epochs[-1]
             row.update(decoded=e.decoded, prepared=e.prepared, shared=e.shared, members=e.members,
@@ -234,6 +286,7 @@ def _summary(system: dict, epochs: int, dataset_images: int, dataset_bytes: int)
         "over_budget": system.get("over_budget"),
         "staging_peak_bytes": group["peak_staged_bytes"] if group else None,
         "staging_capacity_bytes": group["capacity_bytes"] if group else None,
+        **cpu_split(system["jobs"], epochs),
     }
 
 
@@ -247,6 +300,8 @@ def _over_runs(rows: list[dict], baseline: list[dict] | None) -> dict:
                device_read_bytes=statistics.median(r["device_read_bytes"] for r in rows),
                device_read_x_dataset_per_epoch=statistics.median(r["device_read_x_dataset_per_epoch"] for r in rows),
                over_budget=next((r["over_budget"] for r in rows if r["over_budget"]), None), runs=rows)
+    for key in CPU_KEYS:
+        out[key] = statistics.median(r[key] for r in rows)
     for key in ("peak_page_cache_bytes", "p99_page_cache_bytes", "staging_peak_bytes"):
         values = [r[key] for r in rows if r[key] is not None]
         out[key] = max(values) if values else None
@@ -283,6 +338,11 @@ def _markdown(result: dict) -> str:
                      f"{row['device_read_bytes'] / mib:.1f} | {row['device_read_x_dataset_per_epoch']} | {cache} | "
                      f"{peak} |")
     lines += [f"- {name}: OVER BUDGET: {row['over_budget']}" for name, row in s.items() if row["over_budget"]]
+    lines += ["", "Where the CPU went (steady epochs, median over runs): CPU ms per decoded sample in the jobs' main "
+              "processes and in their workers, and the cores kept busy.", ""]
+    lines += [f"- {name}: main {row['main_cpu_ms_per_decoded_sample']:.2f} ms, workers "
+              f"{row['workers_cpu_ms_per_decoded_sample']:.2f} ms per decoded sample; {row['cores_busy']:.2f} cores busy"
+              for name, row in s.items()]
     lines += ["", "Per job and epoch (samples/s):", ""]
     for name in s:
         for rep, run in enumerate(result["systems"][name]):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from benchmarks.coordprep import cpu_seconds, cpu_split
 from benchmarks.storage_env import PREFIX, cgroup_version
 from coordl.coord_prep import list_groups
 from tests import _procs
@@ -55,6 +56,9 @@ def test_quick_run(tmp_path, backend, systems, reps):
     batch_bytes = result["batch_size"] * 3 * 224 * 224 * 4  # float32 images
     assert 0 < coordl["staging_peak_bytes"] <= coordl["staging_capacity_bytes"] + batch_bytes  # one batch beyond
     assert baseline["staging_peak_bytes"] is None
+    for row in (baseline, coordl):  # where the CPU went: the baseline's decoding in its workers
+        assert row["workers_cpu_ms_per_decoded_sample"] > 0 and 0 < row["cores_busy"] <= os.cpu_count() + 0.5
+    assert baseline["workers_cpu_ms_per_decoded_sample"] > baseline["main_cpu_ms_per_decoded_sample"]
     if cgroup_version():  # throttled, bounded: the group reads the dataset once per epoch, the baseline more
         assert result["memory_fraction"] == 0.5
         assert coordl["device_read_x_dataset_per_epoch"] <= 1.1  # (the tiny dataset partly stays in page cache)
@@ -100,3 +104,38 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path):
     assert _leftovers() == before
     assert {g.name for g in list_groups()} == groups_before
     assert not _procs.command_lines(lambda cmd: "benchmarks.coordprep" in cmd and "--child" in cmd)
+
+
+_BURN = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+         "sys.stdout.write('x')\nsys.stdout.flush()\ntime.sleep(60)\n")
+
+
+def test_cpu_seconds_counts_the_workers_alive_and_once_reaped():
+    main_before, workers_before = cpu_seconds()
+    proc = subprocess.Popen([sys.executable, "-c", _BURN], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(1) == b"x"  # it burned 0.3 s of CPU and now sleeps
+        _, alive = cpu_seconds()
+    finally:
+        proc.kill()
+        proc.wait()
+    started = time.process_time()
+    while time.process_time() - started < 0.2:
+        pass
+    main_after, reaped = cpu_seconds()
+    assert 0.29 <= alive - workers_before < 2.0
+    assert reaped >= alive - 0.02  # the reaped child's seconds move to RUSAGE_CHILDREN, none lost
+    assert main_after - main_before >= 0.19
+
+
+def test_cpu_split_over_the_steady_epochs():
+    def row(epoch, decoded, main, workers, time_s):
+        return {"epoch": epoch, "decoded": decoded, "main_cpu_s": main, "workers_cpu_s": workers, "time_s": time_s}
+
+    jobs = [[row(1, 100, 9.0, 9.0, 9.0), row(2, 50, 0.5, 2.0, 2.0), row(3, 50, 0.5, 2.0, 2.5)],
+            [row(1, 100, 9.0, 9.0, 9.0), row(2, 50, 1.5, 2.0, 1.0), row(3, 50, 0.5, 1.0, 2.0)]]
+    split = cpu_split(jobs, epochs=3)
+    assert split["main_cpu_ms_per_decoded_sample"] == pytest.approx(1000 * 3.0 / 200)  # epoch 1 left out
+    assert split["workers_cpu_ms_per_decoded_sample"] == pytest.approx(1000 * 7.0 / 200)
+    assert split["cores_busy"] == pytest.approx(statistics.median([6.0 / 2.0, 4.0 / 2.5]))
+    assert cpu_split([[row(1, 10, 1.0, 1.0, 4.0)]], epochs=1)["cores_busy"] == pytest.approx(0.5)
