@@ -123,11 +123,15 @@ def target_reader(dataset) -> tuple[Callable[[int], tuple] | None, str]:
 
 
 def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> tuple[list, list, np.ndarray]:
-    """In a fetch thread: (encoded arrays, target columns, counter deltas) of one batch. A column of
+    """In a fetch thread: (encoded samples, target columns, counter deltas) of one batch. A column of
     scalars is one array; else a list of contiguous arrays (DALI takes either without a copy). Hits are
-    views into the cache's mapping, not copies."""
+    views into the cache's mapping, not copies. The encoded samples are DALI tensors over those bytes,
+    built here rather than by ``external_source`` on the thread that runs the pipeline (the training
+    loop's), which then only checks them."""
+    from nvidia.dali.tensors import TensorCPU
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
-    encoded = [np.frombuffer(raw, dtype=np.uint8) for raw in cached.fetch_many(list(indices), row, views=True)]
+    encoded = [TensorCPU(np.frombuffer(raw, dtype=np.uint8), "")
+               for raw in cached.fetch_many(list(indices), row, views=True)]
     row[COUNTER_FIELDS.index("samples")] += len(indices)
     columns = [np.stack(column) if all(np.ndim(v) == 0 for v in column) else
                [np.ascontiguousarray(v) for v in column] for column in zip(*(read_target(i) for i in indices))]
