@@ -147,7 +147,7 @@ class _Feeder:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="coordl-fetch")
         self._pending: collections.deque = collections.deque()
         self._next = 0
-        # fed to DALI, not yet out of it: (indices, the arrays DALI reads without copying them)
+        # fed to DALI, not yet out of it: (indices, the samples DALI reads without copying them)
         self.in_flight: collections.deque = collections.deque()
         for _ in range(max(depth, 1)):
             self._submit()
@@ -234,7 +234,7 @@ class DaliBackend:
                         device_id=torch.cuda.current_device() if self.device == "gpu" else None,
                         seed=seed % 2**31, prefetch_queue_depth=PREFETCH_DEPTH)
         with pipe:
-            # no_copy: DALI reads the fed arrays in place; the feeder keeps them until their batch is out
+            # no_copy: DALI reads the fed samples in place; the feeder keeps them until their batch is out
             encoded, *target = fn.external_source(source=self._feed, num_outputs=1 + n_targets, batch=True,
                                                   dtype=[types.UINT8] + [None] * n_targets,
                                                   no_copy=self._feed_in_place)
