@@ -41,6 +41,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import secrets
 import shutil
 import signal
@@ -54,6 +55,7 @@ from benchmarks.metrics import spread
 from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, spread_text, write_json_and_markdown
 from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
                                     evict_files, over_budget, prepare_storage, tree_bytes)
+from coordl._sysinfo import cpu_seconds as process_cpu_seconds, descendants
 
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
 """Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
@@ -73,36 +75,19 @@ def _proc_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _descendants(pid: int) -> list[int]:
-    """The live processes below ``pid`` (its children, theirs, ...)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in os.listdir(f"/proc/{parent}/task") if os.path.isdir(f"/proc/{parent}/task") else ():
-            with contextlib.suppress(OSError), open(f"/proc/{parent}/task/{task}/children") as f:
-                children = [int(c) for c in f.read().split()]
-                found += children
-                todo += children
-    return found
-
-
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (0 if it is gone)."""
+    """CPU seconds of process ``pid``; 0 if it ended meanwhile."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return process_cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def cpu_seconds() -> tuple[float, float]:
     """(this process's CPU seconds, all threads; its workers': the live descendants' and the reaped
     children's). The difference of two readings is what each did in between."""
-    import resource
-
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time(), reaped.ru_utime + reaped.ru_stime + sum(_cpu_s(p) for p in _descendants(os.getpid()))
+    return time.process_time(), reaped.ru_utime + reaped.ru_stime + sum(map(_cpu_s, descendants(os.getpid())))
 
 
 def cpu_split(jobs: list[list[dict]], epochs: int) -> dict:

@@ -1,5 +1,7 @@
-"""Facts about this machine: available memory, bounded by this process's cgroup; a process's state."""
+"""Facts about this machine: available memory, bounded by this process's cgroup; a process's state, CPU
+time and descendants."""
 
+import glob
 import os
 
 
@@ -8,6 +10,30 @@ def proc_stat(pid: int) -> list[str]:
     Raises ``OSError`` for a process that is gone (or in another PID namespace)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has run (user and system, ``/proc/<pid>/stat``). Raises ``OSError`` for a
+    process that is gone."""
+    fields = proc_stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes ``pid`` has started, and theirs, now (``/proc/<pid>/task/<tid>/children``; none where the
+    kernel does not have it)."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for path in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                with open(path) as f:
+                    children = {int(c) for c in f.read().split()} - found
+            except OSError:  # ended meanwhile
+                continue
+            found |= children
+            todo.extend(children)
+    return found
 
 
 def _cgroup_memory_headroom() -> int | None:

@@ -73,7 +73,7 @@ import time
 
 import torch
 
-from coordl._sysinfo import proc_stat
+from coordl._sysinfo import cpu_seconds, proc_stat
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.partitioned import EXCHANGE_ENV
 
@@ -651,7 +651,7 @@ def _prep_rate(options: dict, samples: torch.utils.data.Dataset, batch_size: int
         samples, batch_size=batch_size, num_workers=workers, collate_fn=options["collate_fn"],
         persistent_workers=workers > 0, multiprocessing_context=options.get("multiprocessing_context"),
         worker_init_fn=options.get("worker_init_fn"))
-    cpu_s = (lambda: sum(map(_cpu_s, (w.pid for w in prep._iterator._workers)))) if workers else \
+    cpu_s = (lambda: sum(map(cpu_seconds, (w.pid for w in prep._iterator._workers)))) if workers else \
         time.process_time
     passes_per_s, cpu_per_pass = _passes_per_s(lambda: [None for _ in prep], cpu_s)
     return passes_per_s * len(samples), cpu_per_pass
@@ -682,12 +682,6 @@ def _passes_per_s(one_pass, cpu_s) -> tuple[float, float]:
         one_pass()
         passes += 1
     return passes / (time.perf_counter() - started), (cpu_s() - cpu_started) / passes
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds process ``pid`` has run (user and system, ``/proc/<pid>/stat``)."""
-    fields = proc_stat(pid)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def misses_per_batch(batch_size: int, cache_fraction: float, servers: int = 1) -> int:

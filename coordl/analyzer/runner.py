@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from coordl._shm import SHM_DIR_ENV, shm_dir
-from coordl._sysinfo import proc_stat
+from coordl._sysinfo import descendants, proc_stat
 from coordl.analyzer import phases
 from coordl.analyzer.model import Pipeline
 
@@ -113,7 +113,7 @@ def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, 
     running. Every :data:`WATCH_S` the processes the command has started go into ``seen``."""
     said, done_since = started, None
     while True:
-        seen |= _descendants(proc.pid)
+        seen |= descendants(proc.pid)
         try:
             return proc.wait(timeout=WATCH_S)
         except subprocess.TimeoutExpired:
@@ -164,23 +164,6 @@ def _ended(pid: int) -> bool:
         return proc_stat(pid)[0] == "Z"
     except OSError:
         return True
-
-
-def _descendants(pid: int) -> set[int]:
-    """The processes ``pid`` has started, and theirs, now (``/proc/<pid>/task/<tid>/children``; none where the
-    kernel does not have it)."""
-    found, todo = set(), [pid]
-    while todo:
-        parent = todo.pop()
-        for path in glob.glob(f"/proc/{parent}/task/*/children"):
-            try:
-                with open(path) as f:
-                    children = {int(c) for c in f.read().split()} - found
-            except OSError:  # ended meanwhile
-                continue
-            found |= children
-            todo.extend(children)
-    return found
 
 
 def _members(group: int) -> set[int]:
