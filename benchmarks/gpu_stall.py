@@ -17,7 +17,8 @@ Each system runs ``--epochs`` epochs with the step (``step="resnet18"``, bf16 au
 SGD) and the DALI systems also without it (``step="none"``: decoding from the cache against plain
 DALI's reader). Epochs after the first count (the first fills the cache and warms cuDNN and DALI).
 A system's stall is the paper's differential one, ``1 - samples/s / G``, beside the time the loop
-itself waited for batches (``wait_s``). ``results.json`` (every epoch of every trial), ``setup.json``
+itself waited for batches (``wait_s``, ``iter()`` included) and of that, for each epoch's first batch
+(``first_wait_s``: the epoch's edge, where a pipeline that restarts each epoch fills). ``results.json`` (every epoch of every trial), ``setup.json``
 (GPU, driver, versions, git SHA, settings) and ``results.md`` (medians with min-max) go to ``--out``.
 
 With ``--analyze``, ``coordl analyze`` also runs on the ``coordl`` and ``coordl-dali`` jobs
@@ -107,21 +108,25 @@ def _drain(device: str) -> None:
 
 
 def run_epoch(batches, step: Step) -> dict:
-    """One pass: samples, wall time (the GPU's queue drained at both ends) and the loop's waits."""
+    """One pass: samples, wall time (the GPU's queue drained at both ends), the loop's waits, and of them the
+    wait for the pass's first batch (``iter()`` included: the epoch's edge)."""
     _drain(step.device)
-    started, samples, wait_s = time.perf_counter(), 0, 0.0
+    started, samples, wait_s, first_wait_s = time.perf_counter(), 0, 0.0, None
     iterator = iter(batches)
     while True:
-        asked = time.perf_counter()
         try:
             images, labels = next(iterator)[:2]
         except StopIteration:
             break
-        wait_s += time.perf_counter() - asked
+        waited = time.perf_counter() - (started if first_wait_s is None else asked)
+        first_wait_s = waited if first_wait_s is None else first_wait_s
+        wait_s += waited
         step(images, labels)
         samples += len(labels)
+        asked = time.perf_counter()
     _drain(step.device)
-    return {"samples": samples, "time_s": time.perf_counter() - started, "wait_s": wait_s}
+    return {"samples": samples, "time_s": time.perf_counter() - started, "wait_s": wait_s,
+            "first_wait_s": first_wait_s or 0.0}
 
 
 def synthetic_batches(batch_size: int, batches: int, device: str):
@@ -179,11 +184,13 @@ def make_dataset(root: str, images: int, processes: int) -> None:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per system and step: the median over trials of the steady epochs' samples/s, with min and max,
-    the stall against ``G`` and the loop's waiting share."""
+    the stall against ``G``, the loop's waiting share, and the share of its epochs' time it waited for
+    their first batches (``edge_fraction``)."""
     def steady_rate(trial_rows):
         steady = [r for r in trial_rows if r["epoch"] > 1]
-        return sum(r["samples"] for r in steady) / sum(r["time_s"] for r in steady), \
-            sum(r["wait_s"] for r in steady) / sum(r["time_s"] for r in steady)
+        time_s = sum(r["time_s"] for r in steady)
+        return sum(r["samples"] for r in steady) / time_s, sum(r["wait_s"] for r in steady) / time_s, \
+            sum(r.get("first_wait_s", 0.0) for r in steady) / time_s
 
     keys = sorted({(r["system"], r["step"]) for r in rows}, key=lambda k: (k[1] != "resnet18", SYSTEMS.index(k[0])))
     out = []
@@ -191,9 +198,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         trials = sorted({r["trial"] for r in rows if (r["system"], r["step"]) == (system, step)})
         rates = [steady_rate([r for r in rows if (r["system"], r["step"], r["trial"]) == (system, step, t)])
                  for t in trials]
-        out.append({"system": system, "step": step, "samples_per_s": statistics.median(r for r, _ in rates),
-                    "min": min(r for r, _ in rates), "max": max(r for r, _ in rates),
-                    "wait_fraction": statistics.median(w for _, w in rates), "trials": len(rates)})
+        out.append({"system": system, "step": step, "samples_per_s": statistics.median(r for r, _, _ in rates),
+                    "min": min(r for r, _, _ in rates), "max": max(r for r, _, _ in rates),
+                    "wait_fraction": statistics.median(w for _, w, _ in rates),
+                    "edge_fraction": statistics.median(e for _, _, e in rates), "trials": len(rates)})
     g = next((s["samples_per_s"] for s in out if s["system"] == "synthetic"), None)
     for s in out:
         s["stall"] = 1 - s["samples_per_s"] / g if g and s["step"] == "resnet18" else None
@@ -216,7 +224,8 @@ def analyze(system: str, root: str, args, out_dir: str) -> dict:
     with open(os.path.join(folder, "analysis.json")) as f:
         analysis = json.load(f)
     return {"system": system, "predicted_samples_per_s": analysis["predicted_samples_per_s"],
-            "bottleneck": analysis["bottleneck"], "rates": analysis["rates"], "analysis_s": elapsed}
+            "bottleneck": analysis["bottleneck"], "rates": analysis["rates"], "contention": analysis["contention"],
+            "Q": analysis["phases"]["rates"].get("Q"), "analysis_s": elapsed}
 
 
 def job(argv: list[str]) -> None:
@@ -251,20 +260,24 @@ def setup(args) -> dict:
 def write_markdown(path: str, summary: list[dict], analyses: list[dict], failed: dict, setup_info: dict) -> None:
     lines = [f"GPU: {setup_info['gpu']}; {setup_info['summary']}; torch {setup_info['torch']}, "
              f"DALI {setup_info['nvidia.dali']}; git {setup_info['git_sha']}", "",
-             "| system | step | samples/s (median [min-max]) | stall vs G | loop waiting |", "|---|---|---|---|---|"]
+             "| system | step | samples/s (median [min-max]) | stall vs G | loop waiting | of it, first batches |",
+             "|---|---|---|---|---|---|"]
     for s in summary:
         stall = f"{100 * s['stall']:.1f}%" if s["stall"] is not None else "-"
         lines.append(f"| {s['system']} | {s['step']} | {s['samples_per_s']:.0f} [{s['min']:.0f}-{s['max']:.0f}] "
-                     f"| {stall} | {100 * s['wait_fraction']:.1f}% |")
+                     f"| {stall} | {100 * s['wait_fraction']:.1f}% | {100 * s['edge_fraction']:.1f}% |")
     lines += [f"\n{system} failed: {error}" for system, error in failed.items()]
     if analyses:
-        lines += ["", "| analyzed job | predicted | measured | error | bottleneck | analysis s |", "|---|---|---|---|---|---|"]
+        lines += ["", "| analyzed job | predicted | measured | error | bottleneck | Q | contention | analysis s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for a in analyses:
             if "failed" in a:
-                lines.append(f"| {a['system']} | {a['failed']} | | | | {a['analysis_s']:.0f} |")
+                lines.append(f"| {a['system']} | {a['failed']} | | | | | | {a['analysis_s']:.0f} |")
             else:
+                q = f"{a['Q']:.0f}" if a.get("Q") else "-"
                 lines.append(f"| {a['system']} | {a['predicted_samples_per_s']:.0f} | {a['measured_samples_per_s']:.0f} "
-                             f"| {100 * a['error']:+.1f}% | {a['bottleneck']} | {a['analysis_s']:.0f} |")
+                             f"| {100 * a['error']:+.1f}% | {a['bottleneck']} | {q} | {a['contention']:.3f} "
+                             f"| {a['analysis_s']:.0f} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -34,6 +34,9 @@ Workers that prepare while the training loop runs also take the cores at the mom
 ``P`` (prep alone) contains: the loop, fed batches its workers prepare from memory, reaches ``Q``, the
 ``contention`` ``Q / min(W, G)`` of what the two alone allow (at most 1; measured with nothing fetched).
 The prediction is ``min(F, contention · min(W, G))``, and what the contention costs is prep stall.
+With the DALI backend, prep runs in the training process beside the step, and where DALI decodes on
+the GPU (``dali_device='gpu'``) the GPU's time goes to both: ``Q`` is then the loop fed by a twin of its
+pipeline, and the contention holds both shares.
 """
 
 import dataclasses
@@ -68,8 +71,8 @@ class Pipeline:
             prediction.
         step_cpu_s, prep_cpu_s: CPU seconds per sample of the training process (the step and taking its
             batch) and of prep (0: not measured, no CPU bound).
-        contention: the share of ``min(W, G)`` the training loop reaches while its workers prepare (see the
-            module's docstring; 1: none, or not measured).
+        contention: the share of ``min(W, G)`` the training loop reaches while its workers (or DALI) prepare
+            (see the module's docstring; 1: none, or not measured).
     """
 
     samples: int

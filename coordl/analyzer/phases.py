@@ -27,10 +27,12 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   its ranks' parts, are mapped as at an epoch start, and each rank fetches from the next server's cache what
   that server's rank of the same local rank put there, a batch per request on as many threads as cores.
   Then, where
-  torch's workers prepare for coordl.DataLoader's own iterator, ``Q``: the training loop's samples/s over
-  the timed window on batches that as many workers prepare from those items (nothing fetched, without end,
-  each pass in a new order), so the step and prep share the cores as in training. The window is lengthened
-  to :data:`PREP_MIN_S`, as P's (``Q_iters`` batches over ``Q_s``).
+  coordl.DataLoader's own iterator runs (not an hp_group), ``Q``: the training loop's samples/s over the
+  timed window on batches prepared from those items as the loader prepares its own (nothing fetched from
+  storage, without end, each pass in a new order): by as many torch workers, so the step and prep share
+  the cores as in training; or by a twin of its DALI pipeline, so the step and DALI share the training
+  process and, decoding there, the GPU. The window is lengthened to :data:`PREP_MIN_S`, as P's
+  (``Q_iters`` batches over ``Q_s``).
 * ``run``: the script as configured: its samples/s over the same window, and the window's cache hit
   fraction.
 
@@ -287,7 +289,9 @@ class _Window:
                 self._lengthen()
             if self.taken == self.ahead + self.warmup + self.iters:
                 atexit.unregister(self._write_at_exit)
-                _finish(self.result())
+                result = self.result()
+                self._close_prepared()
+                _finish(result)
         if self.taken == self.ahead + self.warmup:
             _drain_gpu()
             self.started, self.hits_before = time.perf_counter(), _hits(self.loader)
@@ -308,6 +312,13 @@ class _Window:
         """Q over the batches the loop had, where the script ends in the lengthened window."""
         _drain_gpu()
         _write(self.result())
+        self._close_prepared()
+
+    def _close_prepared(self) -> None:
+        """Drop Q's DALI pipeline (torch's workers for Q go with their iterator)."""
+        close = getattr(self.prepared, "close", None)
+        if close is not None:
+            close()
 
     def result(self) -> dict:
         """The window's result, over the batches the loop has taken since its clock started (``iters`` when it
@@ -490,21 +501,53 @@ def _handover(loader, batch):
     return batches
 
 
+def _passes(indices, batch_size: int):
+    """Passes over ``indices`` without end, each in a new order, as lists of full batches (one batch of all of
+    them where there are fewer than a batch)."""
+    order, rng = list(indices), random.Random(1)
+    while True:
+        rng.shuffle(order)
+        yield [order[i:i + batch_size] for i in range(0, max(1, len(order) - batch_size + 1), batch_size)]
+
+
 def _prepared(loader, samples: torch.utils.data.Dataset, batch_size: int):
-    """Batches of ``samples`` (cached or held: nothing fetched) prepared by workers as ``loader``'s, without end,
-    each pass in a new order (full batches only, unless there are fewer samples than a batch)."""
+    """Batches of ``samples`` (cached or held: nothing fetched) prepared as ``loader`` prepares its own, without
+    end, each pass in a new order (:func:`_passes`): by workers as its own, or by a twin of its DALI pipeline
+    (``samples``: a ``Subset`` of what the twin fetches from)."""
+    dali = _dali(loader.epoch_ledger)
+    if dali is not None:
+        return _DaliPasses(dali, samples.dataset, samples.indices, batch_size)
     options = _prep_options(loader)
-
-    def batches():
-        order, rng = list(range(len(samples))), random.Random(1)
-        while True:
-            rng.shuffle(order)
-            yield from (order[i:i + batch_size] for i in range(0, max(1, len(order) - batch_size + 1), batch_size))
-
+    batches = (batch for one_pass in _passes(range(len(samples)), batch_size) for batch in one_pass)
     return iter(torch.utils.data.DataLoader(
-        samples, batch_sampler=batches(), num_workers=options["num_workers"], collate_fn=options["collate_fn"],
+        samples, batch_sampler=batches, num_workers=options["num_workers"], collate_fn=options["collate_fn"],
         worker_init_fn=options.get("worker_init_fn"), multiprocessing_context=options.get("multiprocessing_context"),
         prefetch_factor=options.get("prefetch_factor"), pin_memory=loader.pin_memory))
+
+
+class _DaliPasses:
+    """Batches of ``indices`` of ``held`` from a pipeline with ``backend``'s settings (fed as the loader feeds its
+    own), an epoch per pass of :func:`_passes`, each with a new seed; :meth:`close` drops the pipeline."""
+
+    def __init__(self, backend, held, indices: list[int], batch_size: int):
+        self._twin = backend.twin()
+        self._twin.cached = held
+        self._passes, self._seeds, self._epoch = _passes(indices, batch_size), itertools.count(), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            if self._epoch is None:
+                self._epoch = self._twin.epoch(next(self._passes), next(self._seeds))
+            try:
+                return next(self._epoch)
+            except StopIteration:
+                self._epoch = None
+
+    def close(self) -> None:
+        self._twin.close()
 
 
 def _hits(loader) -> tuple[int, int, int]:
@@ -515,8 +558,8 @@ def _hits(loader) -> tuple[int, int, int]:
 
 def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset | None]:
     """``S``, ``C`` and ``P`` of ``loader``'s dataset, in samples/s, over a random subset of ``samples``
-    (see the module's docstring); and the samples P was measured on, where torch's workers prepared them (else
-    None)."""
+    (see the module's docstring); and the samples P was measured on (a ``Subset``), None for an hp_group's
+    member."""
     batch_size = _measured[0].batch_size
     dataset, dali, group = loader.dataset, _dali(loader.epoch_ledger), _group_feed(loader.epoch_ledger)
     prep = _prep_options(loader)
@@ -575,9 +618,8 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         result["P_from"], indices, held = "cache", cached, dataset
     else:  # the cache cannot hold enough of it: from the bytes read, held in memory
         result["P_from"], indices, held = "memory", subset, _Held(source, subset, datas)
-    prepared = None
+    prepared = torch.utils.data.Subset(held, indices)
     if dali is None:
-        prepared = torch.utils.data.Subset(held, indices)
         rate, cpu_s = _prep_rate(prep, prepared, batch_size)
     else:
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)

@@ -114,8 +114,8 @@ def describe(pipeline: Pipeline, measured: float | None = None,
         lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.L * 1e3:.2f} ms "
                      "waited per miss)")
     if p.contention < 1 and p.workers:
-        lines.append(f"  contention      {p.contention:10.3f}  (the share of min(W, G) the loop reaches while its "
-                     "workers prepare)")
+        lines.append(f"  contention      {p.contention:10.3f}  (the share of min(W, G) the loop reaches while "
+                     f"{'DALI prepares' if p.fetch_threads else 'its workers prepare'})")
     lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
     if measured is not None:
         hits, peer_hits = (p.cache_fraction, None) if measured_hits is None else measured_hits

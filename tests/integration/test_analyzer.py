@@ -218,7 +218,9 @@ def test_a_peer_that_does_not_deliver_ends_the_rates_phase_saying_so(make_cluste
 @pytest.mark.parametrize("cache", ["auto", "0"])
 def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_path, cache):
     """P from a second DALI pipeline with the loader's settings (over cached items, or bytes held in memory
-    without a cache); the model's fetch threads run ahead of DALI's prep, so prep never waits for a miss."""
+    without a cache); the model's fetch threads run ahead of DALI's prep, so prep never waits for a miss.
+    Then Q, the loop on batches a twin of the pipeline prepares from those items: DALI and the step share the
+    training process, and the contention is what Q reaches of min(W, G)."""
     step_s = 0.01
     proc = _analyze(tmp_path, image_root, "--backend", "dali", "--workers", "2", "--cache-bytes", cache,
                     "--step-s", str(step_s))
@@ -228,8 +230,10 @@ def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_
     assert rates["backend"] == "dali" and rates["workers"] == 2 and rates["fetch_threads"] == 2
     assert rates["P_from"] == ("cache" if cache == "auto" else "memory") and rates["P"] > 0
     assert doc["config"]["fetch_threads"] == 2 and doc["worker_samples_per_s"] == doc["rates"]["P"]
-    assert "Q" not in rates and doc["contention"] == 1.0  # DALI prepares in the training process
-    assert doc["predicted_samples_per_s"] == min(doc["fetch_samples_per_s"], doc["rates"]["P"], doc["rates"]["G"])
+    assert 0 < rates["Q"] <= BATCH / step_s and rates["Q_s"] >= phases.PREP_MIN_S
+    alone = min(doc["worker_samples_per_s"], doc["rates"]["G"])  # W with nothing to fetch: P, or the CPU bound
+    assert doc["contention"] == pytest.approx(min(1.0, rates["Q"] / alone))
+    assert doc["predicted_samples_per_s"] == pytest.approx(min(doc["fetch_samples_per_s"], doc["contention"] * alone))
     assert doc["rates"]["G"] <= BATCH / step_s and 0 < doc["measured_samples_per_s"] <= BATCH / step_s
     assert "DALI: 2 prep and 2 fetch threads" in proc.stdout and "threads (num_workers=)" in proc.stdout
 

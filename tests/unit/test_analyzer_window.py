@@ -99,6 +99,57 @@ def test_q_gets_full_batches_without_end_each_pass_in_a_new_order():
     assert [sorted(next(few)) for _ in range(3)] == [["a", "b", "c"]] * 3  # fewer than a batch: all of them
 
 
+class _FakeDali:
+    """What ``phases._prepared`` uses of a DALI backend: twins whose epochs yield their batches as they are, each
+    epoch's plan and seed kept, and whether the twin was closed."""
+
+    def __init__(self):
+        self.twins = []
+
+    def twin(self) -> "_FakeDali":
+        twin = _FakeDali()
+        twin.epochs, twin.closed, twin.cached = [], False, None
+        self.twins.append(twin)
+        return twin
+
+    def epoch(self, batches, seed):
+        self.epochs.append((batches, seed))
+        return iter([[self.cached[i] for i in batch] for batch in batches])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_q_with_dali_gets_a_twin_pipeline_epoch_after_epoch_each_in_a_new_order_and_seed(monkeypatch):
+    dali = _FakeDali()
+    monkeypatch.setattr(phases, "_dali", lambda ledger: dali)
+    held = {i: f"s{i}" for i in range(20)}
+    batches = phases._prepared(_plain_loader(), torch.utils.data.Subset(held, list(range(10, 20))), batch_size=4)
+    taken = [next(batches) for _ in range(30)]  # 15 epochs of the twin: 2 full batches each
+    (twin,) = dali.twins
+    assert twin.cached is held and len(twin.epochs) == 15 and all(len(b) == 4 for b in taken)
+    assert [seed for _, seed in twin.epochs] == list(range(15))  # fresh augmentation each pass
+    plans = [tuple(i for batch in plan for i in batch) for plan, _ in twin.epochs]
+    assert all(len(set(p)) == 8 and set(p) <= set(range(10, 20)) for p in plans)  # the subset's items, each once
+    assert len(set(plans)) == 15  # each pass in its own order
+    assert taken[:2] == [[held[i] for i in batch] for batch in twin.epochs[0][0]]  # the twin's batches, as they come
+    assert not twin.closed
+    batches.close()
+    assert twin.closed
+
+
+def test_the_rates_window_drops_q_s_pipeline_when_it_ends(monkeypatch, tmp_path):
+    window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=2)
+    window.prepared = types.SimpleNamespace(closed=False)
+    window.prepared.close = lambda: setattr(window.prepared, "closed", True)
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            phases.time.now += phases.PREP_MIN_S
+    assert window.prepared.closed and json.loads((tmp_path / "result.json").read_text())["Q_iters"] == 2
+
+
 def _rates_window(monkeypatch, tmp_path, clock, warmup: int, iters: int) -> "phases._Window":
     """A rates window (Q) of ``iters`` batches after ``warmup``, on ``clock``, with no GPU."""
     gpu = _FakeGpu(clock)
