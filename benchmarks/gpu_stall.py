@@ -15,7 +15,10 @@ a loader's prep, not storage, decides the stall), each trial runs, interleaved:
 
 Each system runs ``--epochs`` epochs with the step (``step="resnet18"``, bf16 autocast, channels-last,
 SGD) and the DALI systems also without it (``step="none"``: decoding from the cache against plain
-DALI's reader). Epochs after the first count (the first fills the cache and warms cuDNN and DALI).
+DALI's reader). Epochs after the first count (the first fills the cache and warms cuDNN and DALI), timed
+as one window: the GPU's queue is waited for at its edges, not between its epochs, as in training
+(``--drain-each-epoch``: at every epoch's edges, so a pipeline that fills at each epoch's start has
+its fill exposed rather than overlapped with the steps queued before).
 A system's stall is the paper's differential one, ``1 - samples/s / G``, beside the time the loop
 itself waited for batches (``wait_s``, ``iter()`` included) and of that, for each epoch's first batch
 (``first_wait_s``: the epoch's edge, where a pipeline that restarts each epoch fills). ``results.json`` (every epoch of every trial), ``setup.json``
@@ -107,10 +110,11 @@ def _drain(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_epoch(batches, step: Step) -> dict:
-    """One pass: samples, wall time (the GPU's queue drained at both ends), the loop's waits, and of them the
-    wait for the pass's first batch (``iter()`` included: the epoch's edge)."""
-    _drain(step.device)
+def run_epoch(batches, step: Step, drain_before: bool = True, drain_after: bool = True) -> dict:
+    """One pass: samples, wall time (the GPU's queue drained at the ends asked for), the loop's waits, and of
+    them the wait for the pass's first batch (``iter()`` included: the epoch's edge)."""
+    if drain_before:
+        _drain(step.device)
     started, samples, wait_s, first_wait_s = time.perf_counter(), 0, 0.0, None
     iterator = iter(batches)
     while True:
@@ -124,7 +128,8 @@ def run_epoch(batches, step: Step) -> dict:
         step(images, labels)
         samples += len(labels)
         asked = time.perf_counter()
-    _drain(step.device)
+    if drain_after:
+        _drain(step.device)
     return {"samples": samples, "time_s": time.perf_counter() - started, "wait_s": wait_s,
             "first_wait_s": first_wait_s or 0.0}
 
@@ -137,7 +142,10 @@ def synthetic_batches(batch_size: int, batches: int, device: str):
 
 
 def measure(system: str, step: Step, root: str, args, trial: int) -> list[dict]:
-    """``args.epochs`` epochs of ``system`` feeding ``step``: one row per epoch."""
+    """``args.epochs`` epochs of ``system`` feeding ``step``: one row per epoch. The GPU's queue is waited for
+    after the first epoch and after the last, so the steady epochs' times add up to their window, and between
+    them only with ``--drain-each-epoch`` (a training loop does not wait there: the steps it queued run on
+    while the next epoch starts)."""
     if system == "synthetic":
         loader = synthetic_batches(args.batch_size, args.images // args.batch_size, args.device)
     else:
@@ -147,7 +155,8 @@ def measure(system: str, step: Step, root: str, args, trial: int) -> list[dict]:
     rows = []
     with loader if hasattr(loader, "__enter__") else contextlib.nullcontext(loader) as batches:
         for epoch in range(1, args.epochs + 1):
-            row = run_epoch(batches, step)
+            row = run_epoch(batches, step, drain_before=epoch <= 2 or args.drain_each_epoch,
+                            drain_after=epoch in (1, args.epochs) or args.drain_each_epoch)
             rows.append({"system": system, "step": step.kind, "trial": trial, "epoch": epoch, **row,
                          "samples_per_s": row["samples"] / row["time_s"]})
     _release(loader)
@@ -242,7 +251,7 @@ def job(argv: list[str]) -> None:
     loader = build_loader(args.system, args.root, workers=args.workers, batch_size=args.batch_size,
                           cache_name=f"gpu-stall-job-{os.getpid()}", device=args.device)
     for _ in range(args.epochs):
-        run_epoch(loader, step)
+        run_epoch(loader, step, drain_before=False, drain_after=False)  # the window waits at its own edges
 
 
 def setup(args) -> dict:
@@ -298,6 +307,8 @@ def main(argv=None) -> int:
                         help="also run coordl analyze on these jobs (default coordl,coordl-dali)")
     parser.add_argument("--iters", type=int, default=60, help="coordl analyze --iters (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="coordl analyze --warmup (default 10)")
+    parser.add_argument("--drain-each-epoch", action="store_true",
+                        help="wait for the GPU's queue at every epoch's edges (each epoch timed on its own)")
     parser.add_argument("--out", default="results/gpu_stall")
     parser.add_argument("--git-sha", help="the commit measured, where the tree's .git is not it (a copy)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

@@ -5,9 +5,11 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
+from benchmarks import gpu_stall
 from benchmarks.gpu_stall import summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,6 +33,29 @@ def test_the_summary_counts_steady_epochs_takes_the_median_trial_and_the_stall_a
     assert torch_row["edge_fraction"] == pytest.approx(0.1)  # the median of the trials' 0.2, 0 and 0.1
     assert summary["dali", "none"]["stall"] is None  # no step: nothing to stall
     assert [s["system"] for s in summarize(rows)] == ["synthetic", "torch", "dali"]
+
+
+@pytest.mark.parametrize("each_epoch", [False, True])
+def test_the_gpu_is_waited_for_around_the_steady_window_and_only_asked_between_its_epochs(monkeypatch, each_epoch):
+    """A training loop does not wait for its GPU between epochs: the steady epochs are one window, waited for at
+    its edges (after the first epoch, after the last), and at every epoch's edges only with --drain-each-epoch."""
+    events = []
+    monkeypatch.setattr(gpu_stall, "_drain", lambda device: events.append("drain"))
+    step = gpu_stall.Step("none", "cpu")
+    args = types.SimpleNamespace(batch_size=2, images=4, device="cpu", epochs=4, drain_each_epoch=each_epoch)
+    original = gpu_stall.run_epoch
+
+    def run_epoch(*a, **k):
+        events.append("epoch")
+        return original(*a, **k)
+
+    monkeypatch.setattr(gpu_stall, "run_epoch", run_epoch)
+    rows = gpu_stall.measure("synthetic", step, "unused", args, trial=0)
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4] and all(r["samples"] == 4 for r in rows)
+    if each_epoch:
+        assert events == ["epoch", "drain", "drain"] * 4
+    else:  # before and after epoch 1, before epoch 2, after epoch 4
+        assert events == ["epoch", "drain", "drain", "epoch", "drain", "epoch", "epoch", "drain"]
 
 
 @pytest.mark.slow
