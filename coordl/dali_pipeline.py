@@ -32,6 +32,8 @@ from coordl.exceptions import SampleError
 INSTALL_HINT = "pip install 'coordl[dali]'  (or: pip install nvidia-dali-cuda120)"
 PREFETCH_DEPTH = 2
 """Batches DALI runs ahead of the training loop."""
+FETCH_RAMP = 2
+"""Batches a feeder fetches at once at an epoch's start (see :class:`_Feeder`)."""
 _pipelines: "weakref.WeakSet" = weakref.WeakSet()
 """The DALI pipelines coordl built in this process (see :func:`_disown_pipelines_in_child`)."""
 
@@ -139,21 +141,27 @@ def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> 
 
 
 class _Feeder:
-    """One epoch's supply of batches for ``fn.external_source``: fetches ``depth`` batches ahead."""
+    """One epoch's supply of batches for ``fn.external_source``: fetches up to ``depth`` batches ahead on
+    ``pool``, starting with :data:`FETCH_RAMP` and adding one more each batch taken until there are ``depth``
+    (a batch's hits are fetched in Python: the epoch's first, fetched beside ``depth - 1`` others, would come
+    after all of them)."""
 
-    def __init__(self, cached: CachedDataset, read_target, batches: list[list[int]], threads: int, depth: int):
+    def __init__(self, cached: CachedDataset, read_target, batches: list[list[int]],
+                 pool: concurrent.futures.ThreadPoolExecutor, depth: int):
         self._cached, self._read_target, self._batches = cached, read_target, batches
         self._counters = cached.counters.table.numpy()[0]  # the main process's row
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="coordl-fetch")
+        self._pool = pool
         self._pending: collections.deque = collections.deque()
-        self._next = 0
+        self._next, self._depth = 0, max(depth, 1)
         # fed to DALI, not yet out of it: (indices, the samples DALI reads without copying them)
         self.in_flight: collections.deque = collections.deque()
-        for _ in range(max(depth, 1)):
-            self._submit()
+        self._submit(FETCH_RAMP)
 
-    def _submit(self) -> None:
-        if self._next < len(self._batches):
+    def _submit(self, most: int) -> None:
+        """Start fetching up to ``most`` more batches, ``depth`` at most in flight."""
+        for _ in range(most):
+            if self._next == len(self._batches) or len(self._pending) >= self._depth:
+                return
             indices = self._batches[self._next]
             self._pending.append((indices, self._pool.submit(_fetch_batch, self._cached, self._read_target,
                                                              indices)))
@@ -164,21 +172,25 @@ class _Feeder:
             raise StopIteration
         indices, future = self._pending.popleft()
         encoded, columns, row = future.result()
-        self._submit()
+        self._submit(2)
         self._counters += row
         fed = (encoded, *columns)
         self.in_flight.append((indices, fed))
         return fed
 
     def close(self) -> None:
-        for _, future in self._pending:
+        """Cancel the fetches not started and wait for those running: none of this epoch's runs after."""
+        futures = [future for _, future in self._pending]
+        for future in futures:
             future.cancel()
-        self._pool.shutdown(wait=True)
+        concurrent.futures.wait(futures)
 
 
 class DaliBackend:
     """A loader's DALI pipeline: built at the first epoch, kept across epochs, rebuilt after an
-    abandoned or failed one (its queued batches cannot be taken back).
+    abandoned or failed one (its queued batches cannot be taken back). Its fetch threads are kept
+    across epochs too: started afresh each epoch, each new thread waits its turn for the interpreter
+    behind those already fetching, which held each epoch's first batch back by tens of milliseconds.
 
     Args:
         cached: the loader's dataset behind coordl's fetch path.
@@ -210,15 +222,26 @@ class DaliBackend:
         self.prefetch_batches, self.pin_memory = prefetch_batches, pin_memory and torch.cuda.is_available()
         self._pipe = None
         self._feeder: _Feeder | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_pid: int | None = None
         self.finished = True  # the last epoch ran to its end (else its queued batches must be dropped)
         self._warn_replaced_transforms(cached.dataset)
 
     def twin(self) -> "DaliBackend":
-        """A second, independent pipeline with the same settings (built when first used)."""
+        """A second, independent pipeline with the same settings (built, and its fetch threads started,
+        when first used)."""
         twin = object.__new__(DaliBackend)
         twin.__dict__.update(self.__dict__)
-        twin._pipe, twin._feeder, twin.finished = None, None, True
+        twin._pipe, twin._feeder, twin._pool, twin._pool_pid, twin.finished = None, None, None, None, True
         return twin
+
+    def _fetch_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The fetch threads: this process's (a forked child has none of its parent's threads)."""
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = concurrent.futures.ThreadPoolExecutor(max(self.fetch_threads, 1),
+                                                               thread_name_prefix="coordl-fetch")
+            self._pool_pid = os.getpid()
+        return self._pool
 
     @staticmethod
     def _warn_replaced_transforms(dataset) -> None:
@@ -264,7 +287,7 @@ class DaliBackend:
         else:
             self._pipe.reset()
         self.finished = False
-        self._feeder = _Feeder(self.cached, self._read_target, batches, self.fetch_threads, self.prefetch_batches)
+        self._feeder = _Feeder(self.cached, self._read_target, batches, self._fetch_pool(), self.prefetch_batches)
         return DaliEpoch(self, len(batches))
 
     def _end_feeder(self) -> None:
@@ -280,7 +303,11 @@ class DaliBackend:
         self.finished = True
 
     def close(self) -> None:
+        """Drop the pipeline and stop the fetch threads."""
         self.discard()
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True)
 
     def explain(self, error: Exception) -> Exception:
         """A DALI failure while decoding → a :class:`SampleError` naming the file that fails to read, or
@@ -382,8 +409,8 @@ class DaliEpoch:
         return self
 
     def close(self) -> None:
-        """Drop the backend's pipeline (its threads and buffers): for a backend used for this epoch only."""
-        self._backend.discard()
+        """Close the backend (its pipeline, fetch threads and buffers): for a backend used for this epoch only."""
+        self._backend.close()
 
     def __next__(self):
         backend = self._backend

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import wave
 import weakref
@@ -176,6 +177,26 @@ def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
         order = torch.cat([labels for _, labels in loader]).tolist()
         assert sorted(order) == list(range(len(dataset)))
         assert [e.complete for e in loader.stats().epochs] == [False, True]
+
+
+def _fetch_threads(before=frozenset()) -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("coordl-fetch")} - before
+
+
+def test_the_fetch_threads_are_kept_across_epochs_and_stopped_at_close(image_root):
+    """Started once, not at each epoch's start (where starting them held the first batch back); a forked child,
+    which has none of its parent's threads, fetches on threads of its own; closing the loader stops them."""
+    before = _fetch_threads()
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, backend="dali") as loader:
+        seen = []
+        for _ in range(3):
+            assert sorted(torch.cat([labels for _, labels in loader]).tolist()) == list(range(len(dataset)))
+            seen.append(_fetch_threads(before))
+        assert 1 <= len(seen[0]) <= 2 and seen[0] == seen[1] == seen[2]
+        pool = loader.epoch_ledger.feed.backend._fetch_pool
+        assert _exit_status_of_fork(lambda: 0 if pool().submit(sum, [1, 2]).result(timeout=20) == 3 else 1) == 0
+    assert not _fetch_threads(before)
 
 
 class _Collects(tud.Dataset):
