@@ -76,6 +76,8 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, epochs: int) -> None:
     parser.add_argument("--mean-side-px", type=int, default=400, help="mean side of the JPEGs (default 400)")
     parser.add_argument("--epochs", type=int, default=epochs, help=f"epochs of each measured run (default {epochs})")
     parser.add_argument("--step-ms", type=float, default=20.0, help="the training step per batch (default 20)")
+    parser.add_argument("--backend", choices=("torch", "dali"), default="torch",
+                        help="the job's coordl.DataLoader backend (default torch; dali: DALI on the CPU)")
     parser.add_argument("--iters", type=int, default=40, help="coordl analyze --iters (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="coordl analyze --warmup (default 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -121,7 +123,7 @@ def analyze(cleanup, storage, config: dict, args, out_dir: str) -> dict:
 
 def _job_args(config: dict, args) -> list[str]:
     return [str(a) for a in ("--cache-bytes", config["cache_bytes"], "--workers", config["workers"], "--step-ms",
-                             args.step_ms)]
+                             args.step_ms, "--backend", args.backend)]
 
 
 def _on_servers(storage, config: dict, work: str, argv_of) -> int:

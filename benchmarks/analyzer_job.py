@@ -1,7 +1,8 @@
 """The training script ``benchmarks.analyzer`` analyzes and then times: an ImageFolder through
 ``coordl.DataLoader`` (random crops, shuffled, persistent workers), a training step of ``--step-ms``.
 
-``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--out FILE]``
+``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--backend dali]
+[--out FILE]``
 writes ``loader.stats()``'s epochs to FILE (JSON) at the end. Under torchrun with several ranks, each rank
 takes its share of every epoch (``DistributedSampler``), all-reduces after each step as DDP does, and
 writes FILE.rank<RANK>.
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--backend", default="torch")
     parser.add_argument("--out")
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
@@ -41,7 +43,7 @@ def main() -> None:
         sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True)
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
                                num_workers=args.workers, persistent_workers=args.workers > 0,
-                               cache_bytes=args.cache_bytes,
+                               cache_bytes=args.cache_bytes, backend=args.backend,
                                drop_page_cache=True)  # with no cache too: every epoch reads the device
     for epoch in range(args.epochs):
         if sampler is not None:

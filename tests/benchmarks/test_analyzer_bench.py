@@ -58,6 +58,33 @@ def test_quick_run(tmp_path):
     assert _leftovers() == before
 
 
+@pytest.mark.slow
+def test_quick_run_of_a_dali_job(tmp_path):
+    """The job on the DALI backend (on the CPU): each configuration analyzed with Q measured on a twin of its
+    pipeline, and measured."""
+    before = _leftovers()
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--servers", "0", "--backend", "dali",
+                          "--images", "48", "--iters", "6", "--warmup", "1", "--epochs", "2", "--out", str(out)],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    if not cgroup_version():
+        assert run.returncode == 2 and "needs root and cgroups" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr[-3000:]
+    configs = json.loads((out / "results.json").read_text())["configs"]
+    assert sorted(c["cache_fraction"] for c in configs) == [0.0, 1.0] and all(c["measured_samples_per_s"] > 0
+                                                                              for c in configs)
+    analyses = [json.loads(open(p).read()) for p in glob.glob(str(out / "analyses" / "**" / "analysis.json"),
+                                                              recursive=True)]
+    assert len(analyses) == 2
+    for analysis in analyses:
+        rates = analysis["phases"]["rates"]
+        assert rates["backend"] == "dali" and rates["fetch_threads"] == 1 and rates["Q"] > 0
+        assert 0 < analysis["contention"] <= 1
+    assert json.loads((out / "setup.json").read_text())["settings"]["backend"] == "dali"
+    assert _leftovers() == before
+
+
 def test_settings_that_leave_nothing_to_run_are_refused_before_anything_is_made(tmp_path):
     run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--analyses", "2", "--out",
                           str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
