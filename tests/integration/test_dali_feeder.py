@@ -1,4 +1,4 @@
-"""The DALI feed's fetching ahead (``_Feeder``), on a pool that runs each fetch only when its batch is asked for: an
+"""The DALI feed's fetching ahead (``_Feeder``; DALI's tensor type needed), on a pool that runs each fetch only when its batch is asked for: an
 epoch starts with a few batches in flight and adds one more per batch taken, up to its depth, every batch in plan
 order."""
 
