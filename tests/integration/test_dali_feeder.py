@@ -1,6 +1,6 @@
-"""The DALI feed's fetching ahead (``_Feeder``; DALI's tensor type needed), on a pool that runs each fetch only when its batch is asked for: an
-epoch starts with a few batches in flight and adds one more per batch taken, up to its depth, every batch in plan
-order."""
+"""The DALI feed's fetching ahead (``_Feeder``, which wraps samples in DALI's tensor type), on a pool that
+runs each fetch only when its batch is asked for: an epoch starts with a few batches in flight and adds one
+more per batch taken, up to its depth, every batch in plan order."""
 
 import concurrent.futures
 import types
