@@ -21,8 +21,9 @@ as one window: the GPU's queue is waited for at its edges, not between its epoch
 its fill exposed rather than overlapped with the steps queued before).
 A system's stall is the paper's differential one, ``1 - samples/s / G``, beside the time the loop
 itself waited for batches (``wait_s``, ``iter()`` included) and of that, for each epoch's first batch
-(``first_wait_s``: the epoch's edge, where a pipeline that restarts each epoch fills). ``results.json`` (every epoch of every trial), ``setup.json``
-(GPU, driver, versions, git SHA, settings) and ``results.md`` (medians with min-max) go to ``--out``.
+(``first_wait_s``: the epoch's edge, where a pipeline that restarts each epoch fills). ``results.json``
+(every epoch of every trial), ``setup.json`` (GPU, driver, versions, git SHA, settings) and
+``results.md`` (medians with min-max) go to ``--out``.
 
 With ``--analyze``, ``coordl analyze`` also runs on the ``coordl`` and ``coordl-dali`` jobs
 (``python -m benchmarks.gpu_stall job ...``, the same loop) and its prediction is set beside the
@@ -199,7 +200,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         steady = [r for r in trial_rows if r["epoch"] > 1]
         time_s = sum(r["time_s"] for r in steady)
         return sum(r["samples"] for r in steady) / time_s, sum(r["wait_s"] for r in steady) / time_s, \
-            sum(r.get("first_wait_s", 0.0) for r in steady) / time_s
+            sum(r["first_wait_s"] for r in steady) / time_s
 
     keys = sorted({(r["system"], r["step"]) for r in rows}, key=lambda k: (k[1] != "resnet18", SYSTEMS.index(k[0])))
     out = []
@@ -284,7 +285,8 @@ def write_markdown(path: str, summary: list[dict], analyses: list[dict], failed:
                 lines.append(f"| {a['system']} | {a['failed']} | | | | | | {a['analysis_s']:.0f} |")
             else:
                 q = f"{a['Q']:.0f}" if a.get("Q") else "-"
-                lines.append(f"| {a['system']} | {a['predicted_samples_per_s']:.0f} | {a['measured_samples_per_s']:.0f} "
+                lines.append(f"| {a['system']} | {a['predicted_samples_per_s']:.0f} "
+                             f"| {a['measured_samples_per_s']:.0f} "
                              f"| {100 * a['error']:+.1f}% | {a['bottleneck']} | {q} | {a['contention']:.3f} "
                              f"| {a['analysis_s']:.0f} |")
     with open(path, "w") as f:

@@ -172,7 +172,7 @@ class _Feeder:
             raise StopIteration
         indices, future = self._pending.popleft()
         encoded, columns, row = future.result()
-        self._submit(2)
+        self._submit(2)  # in place of the batch taken, and one more until there are depth
         self._counters += row
         fed = (encoded, *columns)
         self.in_flight.append((indices, fed))
