@@ -117,14 +117,16 @@ def run_epoch(batches, step: Step, drain_before: bool = True, drain_after: bool 
     if drain_before:
         _drain(step.device)
     started, samples, wait_s, first_wait_s = time.perf_counter(), 0, 0.0, None
+    asked = started  # the first wait counts from before iter()
     iterator = iter(batches)
     while True:
         try:
             images, labels = next(iterator)[:2]
         except StopIteration:
             break
-        waited = time.perf_counter() - (started if first_wait_s is None else asked)
-        first_wait_s = waited if first_wait_s is None else first_wait_s
+        waited = time.perf_counter() - asked
+        if first_wait_s is None:
+            first_wait_s = waited
         wait_s += waited
         step(images, labels)
         samples += len(labels)

@@ -75,7 +75,7 @@ import time
 
 import torch
 
-from coordl._sysinfo import cpu_seconds, proc_stat
+from coordl._sysinfo import cpu_seconds
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.partitioned import EXCHANGE_ENV
 
