@@ -19,10 +19,15 @@ one core (``taskset``): every server runs ``coordl analyze`` of its torchrun nod
 is the slowest server's, and the measured throughput a rank's (the ranks all-reduce after each step, so
 they go at the slowest one's pace).
 
-Every run gets a fresh cgroup and a shm folder of its own (no cache carries over); the loader drops
-what it reads from the page cache (``drop_page_cache=True``), so each epoch's misses come from the
-device, which the cgroup's counters check (``device_bytes_per_epoch``). Configurations run in a shuffled
-order. ``results.json``: ``configs: [{cache_fraction, read_mbps, workers, predicted_samples_per_s,
+Every run and every analysis gets a fresh cgroup and a shm folder of its own (no cache carries over).
+Memory is bounded: the cgroup (each server's, on the multi-server rows) holds the processes to what they
+hold, plus the row's cache as shared memory from the start, plus a page cache of :data:`PAGE_CACHE_BUDGET`
+bytes (the cache is the job's whole memory for data), the bound following them every 20 ms
+(``benchmarks.storage_env.MemoryFollower``); each run's page cache (99th percentile and peak), held memory
+and limit hits are recorded (``memory``) and a run over its budget is named in ``over_budget``. The
+loader drops what it reads from the page cache (``drop_page_cache=True``), so each epoch's misses come
+from the device, which the cgroup's counters check (``device_bytes_per_epoch``). Configurations run in a
+shuffled order. ``results.json``: ``configs: [{cache_fraction, read_mbps, workers, predicted_samples_per_s,
 measured_samples_per_s, measured_spread, error, bottleneck, analysis_s, ...}]``, ``median_abs_error``,
 ``max_abs_error``; ``setup.json``: machine, git SHA, load, settings; ``results.md``; ``analyzer.png``
 (predicted against measured, Fig. 11 style).
@@ -38,18 +43,24 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 from benchmarks import report
 from benchmarks.metrics import spread
 from coordl._shm import shm_dir
-from benchmarks.storage_env import (PREFIX, Cleanup, cgroup_version, device_read_bytes, evict_files, prepare_storage,
-                                    run_child)
+from benchmarks.storage_env import (PREFIX, SLACK_BYTES, Cleanup, cgroup_version, device_read_bytes, evict_files,
+                                    over_budget, prepare_storage, run_child)
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analyzer_job.py")
 FULL = dict(fractions=(0.0, 0.25, 0.5, 0.75, 1.0), mbps=(10.0, 20.0, 40.0), workers=(1, 2), reps=3)
 QUICK = dict(fractions=(0.0, 1.0), mbps=(10.0,), workers=(1,), reps=1)
 SERVERS_FULL = dict(fractions=(0.25, 0.5), mbps=(10.0, 20.0, 40.0), workers=(1,))
 SERVERS_QUICK = dict(fractions=(0.25,), mbps=(20.0,), workers=(1,))
+PAGE_CACHE_BUDGET = 0
+"""The page cache each run may keep beyond :data:`~benchmarks.storage_env.SLACK_BYTES`: none, the job's
+cache is its memory for data."""
+MEMORY_FIGURES = ("p99_page_cache_bytes", "peak_page_cache_bytes", "peak_held_bytes", "peak_shmem_bytes",
+                  "limit_hits")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,21 +95,33 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, epochs: int) -> None:
     parser.add_argument("--workdir", default="/var/tmp", help="where the dataset's disk image goes")
 
 
-def _cgroup(cleanup: Cleanup, version: int, device: str, read_mbps: float):
+def _cgroup(cleanup: Cleanup, storage, config: dict):
+    """A fresh cgroup for one run of ``config``: reads of the dataset's device throttled to its MB/s, memory
+    bounded to what the processes hold, its cache and :data:`PAGE_CACHE_BUDGET`."""
     name = f"{PREFIX}-analyzer-{os.getpid()}-{time.monotonic_ns()}"
-    return cleanup.cgroup(name, version, device, int(read_mbps * 1e6), page_cache_bytes=None)
+    return cleanup.cgroup(name, storage.cgroup_version, storage.device, int(config["read_mbps"] * 1e6),
+                          page_cache_bytes=PAGE_CACHE_BUDGET, shm_reserve_bytes=config["cache_bytes"])
 
 
-def _run(cmd: list[str], group, timeout_s: float) -> tuple[str, int]:
-    """Run ``cmd`` in ``group`` with a shm folder of its own; its stdout and the device bytes it read."""
+def memory_figures(memory: dict, where: str) -> dict:
+    """What a run's cgroup held (:data:`MEMORY_FIGURES` of its ``memory_summary``), and ``over_budget``: why
+    its page cache broke :data:`PAGE_CACHE_BUDGET`, named with ``where``, or None."""
+    why = over_budget(memory, PAGE_CACHE_BUDGET)
+    return {**{k: memory.get(k) for k in MEMORY_FIGURES}, "over_budget": f"{where}: {why}" if why else None}
+
+
+def _run(cmd: list[str], group, timeout_s: float, where: str) -> tuple[str, int, dict]:
+    """Run ``cmd`` in ``group`` (None: in none) with a shm folder of its own; its stdout, the device bytes it
+    read and what its group held (:func:`memory_figures`, named with ``where``)."""
     shm = tempfile.mkdtemp(prefix=f"{PREFIX}-analyzer-", dir=shm_dir())
     previous = os.environ.get("COORDL_SHM_DIR")
     os.environ["COORDL_SHM_DIR"] = shm
     try:
         result = run_child(cmd, timeout_s, group)
-        read = device_read_bytes(group.counter())
+        read = device_read_bytes(group.counter()) if group else 0
     finally:
-        group.remove()
+        if group:
+            group.remove()
         shutil.rmtree(shm, ignore_errors=True)
         if previous is None:
             os.environ.pop("COORDL_SHM_DIR", None)
@@ -107,18 +130,19 @@ def _run(cmd: list[str], group, timeout_s: float) -> tuple[str, int]:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({'timed out' if result.timed_out else result.returncode})"
                            f": {result.stderr[-3000:]}")
-    return result.stdout, read
+    return result.stdout, read, memory_figures(result.memory, where)
 
 
-def analyze(cleanup, storage, config: dict, args, out_dir: str) -> dict:
-    """``coordl analyze`` of ``config``: its analysis.json, and how long it took."""
-    group = _cgroup(cleanup, storage.cgroup_version, storage.device, config["read_mbps"])
+def analyze(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = True) -> dict:
+    """``coordl analyze`` of ``config`` in its cgroup (not ``bounded``: in none): its analysis.json, and how
+    long it took."""
+    group = _cgroup(cleanup, storage, config) if bounded else None
     started = time.monotonic()
-    _run([sys.executable, "-m", "coordl.cli", "analyze", "--out", out_dir, "--iters", str(args.iters),
+    _, _, memory = _run([sys.executable, "-m", "coordl.cli", "analyze", "--out", out_dir, "--iters", str(args.iters),
           "--warmup", str(args.warmup), "--", sys.executable, JOB, storage.root, *_job_args(config, args)], group,
-         1800)
+         1800, "coordl analyze")
     with open(os.path.join(out_dir, "analysis.json")) as f:
-        return {**json.load(f), "analysis_s": time.monotonic() - started}
+        return {**json.load(f), "analysis_s": time.monotonic() - started, "memory": [memory]}
 
 
 def _job_args(config: dict, args) -> list[str]:
@@ -126,14 +150,18 @@ def _job_args(config: dict, args) -> list[str]:
                              args.step_ms, "--backend", args.backend)]
 
 
-def _on_servers(storage, config: dict, work: str, argv_of) -> int:
+def _on_servers(storage, config: dict, work: str, argv_of, where: str, bounded: bool = True
+                ) -> tuple[int, list[dict]]:
     """Run ``JOB`` on ``config["servers"]`` fresh servers, server k's torchrun node under ``argv_of(k)`` on
-    core k; the device bytes they read. Raises RuntimeError: one failed (with each server's log)."""
+    core k, each server's memory bounded as one run's (:func:`_cgroup`) unless not ``bounded``; the device
+    bytes they read and each bounded server's :func:`memory_figures` (named with ``where``). Raises
+    RuntimeError: one failed (with each server's log)."""
     from tests.cluster import Cluster
     n = config["servers"]
     cores = sorted(os.sched_getaffinity(0))
     with Cluster(n, os.path.join(work, f"cluster-{time.monotonic_ns()}"), device=storage.device,
-                 read_bps=int(config["read_mbps"] * 1e6), isolation="netns") as cluster:
+                 read_bps=int(config["read_mbps"] * 1e6), page_cache_bytes=PAGE_CACHE_BUDGET if bounded else None,
+                 shm_reserve_bytes=config["cache_bytes"], isolation="netns") as cluster:
         secret = secrets.token_hex(16)  # the job's, the same on every server
         for k in range(n):
             prefix, job = argv_of(k)
@@ -142,23 +170,24 @@ def _on_servers(storage, config: dict, work: str, argv_of) -> int:
         codes = cluster.wait(1800)
         if codes != [0] * n:
             raise RuntimeError(f"{config}: exit codes {codes}\n" + "\n".join(cluster.log(k)[-3000:] for k in range(n)))
-        return sum(cluster.device_read_bytes(k) for k in range(n))
+        read = sum(cluster.device_read_bytes(k) for k in range(n))
+    return read, [memory_figures(memory, f"{where} on server {k}") for k, memory in enumerate(cluster.memory)]
 
 
-def analyze_servers(cleanup, storage, config: dict, args, out_dir: str) -> dict:
-    """``coordl analyze`` on every server of ``config`` at once: the slowest server's analysis.json (each
-    server's in ``out_dir/server<k>``), and how long it took."""
+def analyze_servers(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = True) -> dict:
+    """``coordl analyze`` on every server of ``config`` at once (``bounded``: see :func:`_on_servers`): the
+    slowest server's analysis.json (each server's in ``out_dir/server<k>``), and how long it took."""
     outs = [os.path.join(out_dir, f"server{k}") for k in range(config["servers"])]
     started = time.monotonic()
-    _on_servers(storage, config, cleanup.workdir(args.workdir), lambda k: (
+    _, memory = _on_servers(storage, config, cleanup.workdir(args.workdir), lambda k: (
         [sys.executable, "-m", "coordl.cli", "analyze", "--out", outs[k], "--iters", str(args.iters), "--warmup",
-         str(args.warmup), "--"], [storage.root, *_job_args(config, args)]))
+         str(args.warmup), "--"], [storage.root, *_job_args(config, args)]), "coordl analyze", bounded)
     docs = []
     for out in outs:
         with open(os.path.join(out, "analysis.json")) as f:
             docs.append(json.load(f))
     slowest = min(docs, key=lambda d: d["predicted_samples_per_s"])
-    return {**slowest, "analysis_s": time.monotonic() - started,
+    return {**slowest, "analysis_s": time.monotonic() - started, "memory": memory,
             "servers_predicted": [d["predicted_samples_per_s"] for d in docs]}
 
 
@@ -166,8 +195,8 @@ def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
     """One run of the job over ``config["servers"]`` servers: a rank's steady samples/s (the slowest's),
     device bytes per epoch (all servers), the hits' shares from the own cache and from the peers."""
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
-    read = _on_servers(storage, config, work, lambda k: (
-        [], [storage.root, *_job_args(config, args), "--epochs", str(args.epochs), "--out", out]))
+    read, memory = _on_servers(storage, config, work, lambda k: (
+        [], [storage.root, *_job_args(config, args), "--epochs", str(args.epochs), "--out", out]), "run")
     ranks = []
     for rank in range(config["servers"]):
         with open(f"{out}.rank{rank}") as f:
@@ -177,17 +206,17 @@ def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
     return {"samples_per_s": min(sum(e["samples"] for e in epochs) / sum(e["time_s"] for e in epochs)
                                  for epochs in ranks),
             "device_bytes_per_epoch": read / args.epochs, "hit_fraction": sum(e["hits"] for e in steady) / fetched,
-            "peer_hit_fraction": sum(e["peer_hits"] for e in steady) / fetched}
+            "peer_hit_fraction": sum(e["peer_hits"] for e in steady) / fetched, "memory": memory}
 
 
 def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     """One run of the job as configured: its steady epochs' samples/s, device bytes per epoch, and what its
     workers spent per miss waiting on storage and per sample preparing (to set beside the analysis's L and
     1/P)."""
-    group = _cgroup(cleanup, storage.cgroup_version, storage.device, config["read_mbps"])
+    group = _cgroup(cleanup, storage, config)
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
-    _, read = _run([sys.executable, JOB, storage.root, *_job_args(config, args), "--epochs", str(args.epochs),
-                    "--out", out], group, 1800)
+    _, read, memory = _run([sys.executable, JOB, storage.root, *_job_args(config, args), "--epochs",
+                            str(args.epochs), "--out", out], group, 1800, "run")
     with open(out) as f:
         epochs = json.load(f)
     steady = epochs[1:]
@@ -196,7 +225,7 @@ def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     return {"samples_per_s": sum(e["samples"] for e in steady) / sum(e["time_s"] for e in steady),
             "device_bytes_per_epoch": read / len(epochs), "hit_fraction": hits / max(1, hits + misses),
             "miss_wait_s": sum(e["storage_wait_s"] for e in steady) / misses if misses else None,
-            "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None}
+            "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None, "memory": [memory]}
 
 
 def plot(configs: list[dict], out_dir: str) -> list[str]:
@@ -226,22 +255,30 @@ def plot(configs: list[dict], out_dir: str) -> list[str]:
     return [report.save(fig, plt, os.path.join(out_dir, "analyzer.png"))]
 
 
+def _page_cache_mib(config: dict) -> float:
+    """The highest 99th-percentile page cache of ``config``'s runs and analyses, in MiB."""
+    return max(m["p99_page_cache_bytes"] or 0 for m in config["memory"]) / 2**20
+
+
 def _spread(s: dict) -> str:
     return f"{s['median']:.1f}" + (f" [{s['min']:.1f}–{s['max']:.1f}]" if s["n"] > 1 else "")
 
 
 def markdown(result: dict, setup: dict) -> str:
-    lines = [f"# coordl analyze: predicted against measured\n", f"{setup['machine']['summary']}; git "
+    lines = ["# coordl analyze: predicted against measured\n", f"{setup['machine']['summary']}; git "
              f"{setup['provenance']['git_sha']}; `{setup['provenance']['command']}`\n",
              f"median |error| {result['median_abs_error']:.1%}, max |error| {result['max_abs_error']:.1%} over "
              f"{len(result['configs'])} configurations\n",
+             f"memory bounded to what the processes hold, the cache and a page cache of "
+             f"{result['page_cache_budget_bytes'] / 2**20:g} MiB (+ {SLACK_BYTES / 2**20:g} MiB slack); runs and "
+             f"analyses over that budget: {len(result['over_budget'])}\n",
              "| servers | cache | MB/s | workers | predicted [min–max] | measured [min–max] | error | bottleneck | "
-             "analysis s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "analysis s | page cache p99 MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(result["configs"], key=lambda c: (c["servers"], c["read_mbps"], c["workers"], c["cache_fraction"])):
         lines.append(f"| {c['servers']} | {c['cache_fraction']:.0%} | {c['read_mbps']:g} | {c['workers']} | "
                      f"{_spread(c['predicted_spread'])} | {_spread(c['measured_spread'])} | "
-                     f"{c['error']:+.1%} | {c['bottleneck']} | {c['analysis_s']:.0f} |")
+                     f"{c['error']:+.1%} | {c['bottleneck']} | {c['analysis_s']:.0f} | {_page_cache_mib(c):.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,6 +296,22 @@ def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
     print(f"dataset {len(sizes)} files, {sum(sizes) / 2**20:.1f} MiB on {storage.dataset_on} ({storage.detail})",
           flush=True)
     return work, storage, sizes
+
+
+def warm_up(cleanup: Cleanup, storage, args, work: str, servers: int) -> None:
+    """``coordl analyze`` of the job over a few images on the real disk, outside any cgroup (and, with
+    ``servers`` above 1, on that many servers, unbounded), so that the libraries and code it loads are in
+    the page cache, charged to no measured group: the bounded runs then hold only their own pages."""
+    from coordl.synthetic import make_image_folder
+    root = os.path.join(work, "warm-up")
+    make_image_folder(root, 48, mean_side_px=args.mean_side_px, seed=args.seed + 1)
+    small = argparse.Namespace(**{**vars(args), "iters": 6, "warmup": 1})
+    config = {"read_mbps": max(FULL["mbps"]), "workers": 1, "cache_bytes": 2**20, "servers": servers}
+    print("warming up (libraries into the page cache, outside the measured cgroups) ...", flush=True)
+    warm = types.SimpleNamespace(root=root, device=storage.device)
+    analyze(cleanup, warm, config, small, os.path.join(work, "warm-up-analysis"), bounded=False)
+    if servers > 1:
+        analyze_servers(cleanup, warm, config, small, os.path.join(work, "warm-up-servers"), bounded=False)
 
 
 def _configs(grid: dict, servers: int, dataset_bytes: int, sizes: list[int]) -> list[dict]:
@@ -309,6 +362,7 @@ def main(argv=None) -> int:
         if args.servers > 1:
             configs += _configs(servers_grid, args.servers, dataset_bytes, sizes)
             cleanup.shm_folder()
+        warm_up(cleanup, storage, args, work, args.servers)
         random.Random(args.seed).shuffle(configs)
         for n, config in enumerate(configs, 1):
             where = f"[{n}/{len(configs)}] cache {config['cache_fraction']:.0%}, {config['read_mbps']:g} MB/s, " \
@@ -332,7 +386,9 @@ def main(argv=None) -> int:
                           contention=analysis.get("contention", 1.0),
                           analysis_s=max(a["analysis_s"] for a in analyses), flags=analysis.get("flags", []),
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
-                          hit_fraction=[r["hit_fraction"] for r in runs])
+                          hit_fraction=[r["hit_fraction"] for r in runs],
+                          memory=[m for done in analyses + runs for m in done["memory"]])
+            config["over_budget"] = [m["over_budget"] for m in config["memory"] if m["over_budget"]]
             if multi_server:
                 config.update(servers_predicted=analysis["servers_predicted"],
                               peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])
@@ -342,11 +398,14 @@ def main(argv=None) -> int:
                               analysis_L=[a.get("miss_wait_s") for a in analyses],
                               analysis_P=[a["rates"]["P"] for a in analyses])
             print(f"  predicted {config['predicted_samples_per_s']:.1f}, measured {measured['median']:.1f} "
-                  f"samples/s ({config['error']:+.1%}; {config['bottleneck']}); analysis {config['analysis_s']:.0f} s",
-                  flush=True)
+                  f"samples/s ({config['error']:+.1%}; {config['bottleneck']}); analysis {config['analysis_s']:.0f} s; "
+                  f"page cache p99 {_page_cache_mib(config):.1f} MiB", flush=True)
+            for why in config["over_budget"]:
+                print(f"  over budget: {why}", flush=True)
         errors = [abs(c["error"]) for c in configs]
         result = {"configs": configs, "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
-                  "dataset_bytes": dataset_bytes, "samples": len(sizes)}
+                  "dataset_bytes": dataset_bytes, "samples": len(sizes), "page_cache_budget_bytes": PAGE_CACHE_BUDGET,
+                  "over_budget": [why for c in configs for why in c["over_budget"]]}
         settings = {**vars(args), **grid, "images": images, "servers_grid": servers_grid}
         setup = {"machine": report.machine(), "provenance": report.provenance(), "load_at_start": load_at_start,
                  "load_at_end": os.getloadavg(), "storage": storage.detail, "settings": settings}

@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     cores = len(os.sched_getaffinity(0))
     with Cleanup() as cleanup:
         work, storage, sizes = analyzer.dataset_on_its_disk(cleanup, args, images)
+        analyzer.warm_up(cleanup, storage, args, work, servers=1)
         dataset_bytes = sum(sizes)
         settings = []
         for mbps, workers in grid["settings"]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks.storage_env import PREFIX, cgroup_version
+from benchmarks.storage_env import BUDGET_TOLERANCE_MIN_BYTES, PREFIX, SLACK_BYTES, cgroup_version
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,6 +52,13 @@ def test_quick_run(tmp_path):
     assert cold["run_miss_wait_s"][0] > 0 and cached["run_miss_wait_s"] == [None]  # the steady epoch: no misses
     assert 0 < cold["run_prep_s_per_sample"][0] < 1 and cold["analysis_L"][0] > 0
     assert cold["analysis_P"] == [cold["rates"]["P"]]
+    for c in configs:  # memory bounded: every analysis and run followed, its page cache held to the slack
+        assert len(c["memory"]) == 2 * c["servers"] and c["over_budget"] == []
+        for m in c["memory"]:
+            assert m["limit_hits"] is not None and m["peak_held_bytes"] > 0
+            assert m["p99_page_cache_bytes"] <= SLACK_BYTES + BUDGET_TOLERANCE_MIN_BYTES
+    assert max(m["peak_shmem_bytes"] for m in cached["memory"]) >= 0.9 * result["dataset_bytes"]  # the cache
+    assert result["page_cache_budget_bytes"] == 0 and result["over_budget"] == []
     setup = json.loads((out / "setup.json").read_text())
     assert setup["provenance"]["git_sha"] and setup["settings"]["reps"] == 1
     assert "| 1 | 100% | 10 |" in (out / "results.md").read_text()
