@@ -138,9 +138,9 @@ def analyze(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = 
     long it took."""
     group = _cgroup(cleanup, storage, config) if bounded else None
     started = time.monotonic()
-    _, _, memory = _run([sys.executable, "-m", "coordl.cli", "analyze", "--out", out_dir, "--iters", str(args.iters),
-          "--warmup", str(args.warmup), "--", sys.executable, JOB, storage.root, *_job_args(config, args)], group,
-         1800, "coordl analyze")
+    cmd = [sys.executable, "-m", "coordl.cli", "analyze", "--out", out_dir, "--iters", str(args.iters), "--warmup",
+           str(args.warmup), "--", sys.executable, JOB, storage.root, *_job_args(config, args)]
+    _, _, memory = _run(cmd, group, 1800, "coordl analyze")
     with open(os.path.join(out_dir, "analysis.json")) as f:
         return {**json.load(f), "analysis_s": time.monotonic() - started, "memory": [memory]}
 

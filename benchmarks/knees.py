@@ -1,8 +1,8 @@
 """``sudo python -m benchmarks.knees [--quick] --out DIR``: are ``coordl analyze``'s what-if knees where the
 job's own are?
 
-For each setting (storage MB/s, workers), on the dataset's own throttled loop device as in
-``benchmarks.analyzer``:
+For each setting (storage MB/s, workers), on the dataset's own throttled loop device and with memory bounded
+as in ``benchmarks.analyzer`` (after its warm-up):
 
 1. ``coordl analyze`` of the job with no cache predicts the smallest cache that removes the fetch stall
    (``cache_knee``), and of the job fully cached with one worker the fewest workers that remove the prep
