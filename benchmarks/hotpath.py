@@ -208,21 +208,33 @@ def timer_us(repetitions: int = 1_000_000) -> float:
     return min(runs) / repetitions * 1e6
 
 
+@contextlib.contextmanager
+def generated_dataset(args, prefix: str):
+    """``args.images`` generated JPEGs of ``args.mean_side_px`` in a temporary folder named ``prefix...``, the
+    loaders' caches in a shm folder of their own (``COORDL_SHM_DIR``), both removed at the end: the root."""
+    from coordl._constants import SHM_DIR_ENV
+    from coordl.synthetic import make_image_folder
+
+    work = tempfile.mkdtemp(prefix=prefix)
+    shm = tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
+    os.environ[SHM_DIR_ENV] = shm
+    try:
+        root = os.path.join(work, "images")
+        print(f"generating {args.images} JPEGs of ~{args.mean_side_px} px in {root} ...", flush=True)
+        make_image_folder(root, args.images, mean_side_px=args.mean_side_px, seed=args.seed)
+        yield root
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("COORDL_LOG_LEVEL", "WARNING")
     from benchmarks import report
     from benchmarks.metrics import spread
-    from coordl._constants import SHM_DIR_ENV
-    from coordl.synthetic import make_image_folder
 
-    work = tempfile.mkdtemp(prefix="coordl-hotpath-")
-    shm = tempfile.mkdtemp(prefix="coordl-hotpath-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
-    os.environ[SHM_DIR_ENV] = shm  # this run's caches, removed at the end
-    try:
-        root = os.path.join(work, "images")
-        print(f"generating {args.images} JPEGs of ~{args.mean_side_px} px in {root} ...", flush=True)
-        make_image_folder(root, args.images, mean_side_px=args.mean_side_px, seed=args.seed)
+    with generated_dataset(args, "coordl-hotpath-") as root:
         trials = []
         for rep in range(args.reps):
             for workload in args.workloads:
@@ -256,9 +268,6 @@ def main(argv=None) -> int:
         cost = fetch_cost_us(root)
         timers = ([timer_cost(root, workload, args.batch_size) for workload in args.workloads]
                   if "coordl-untimed" in args.systems else [])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
     result = {"points": points, "trials": trials, "fetch_cost": cost, "timer_cost": timers}
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args)}
     text = markdown(result)

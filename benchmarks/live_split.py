@@ -21,9 +21,7 @@ matplotlib) ``live_split.png`` to ``--out``.
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 from benchmarks import hotpath
@@ -175,17 +173,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("COORDL_LOG_LEVEL", "WARNING")
     from benchmarks import report
-    from coordl._constants import SHM_DIR_ENV
-    from coordl.synthetic import make_image_folder
 
-    work = tempfile.mkdtemp(prefix="coordl-live-split-")
-    shm = tempfile.mkdtemp(prefix="coordl-live-split-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
-    os.environ[SHM_DIR_ENV] = shm  # this run's caches, removed at the end
     load_at_start = os.getloadavg()
-    try:
-        root = os.path.join(work, "images")
-        print(f"generating {args.images} JPEGs of ~{args.mean_side_px} px in {root} ...", flush=True)
-        make_image_folder(root, args.images, mean_side_px=args.mean_side_px, seed=args.seed)
+    with hotpath.generated_dataset(args, "coordl-live-split-") as root:
         builds = []
         for build in range(args.builds):
             for workload in args.workloads:
@@ -194,9 +184,6 @@ def main(argv=None) -> int:
                     ratios = [r["on"] / r["off"] for r in builds[-1]["rounds"]]
                     print(f"build {build + 1}/{args.builds} {workload:<5} workers={workers}: on / off median "
                           f"{sorted(ratios)[len(ratios) // 2]:.4f} over {len(ratios)} rounds", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
     points = summarize(builds)
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args),
              "load_at_start": load_at_start, "load_at_end": os.getloadavg()}

@@ -274,7 +274,7 @@ class _Window:
         self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
         self.cpu_started, self.rates, self.prepared = None, None, None  # the rates phase's, and Q's batches
-        self.extended = False  # Q's window has been made long enough (:meth:`_lengthen`)
+        self.extended = False  # Q's window has been lengthened (:meth:`_lengthen`) and is written at exit
         # batches torch draws before the loop has its first (counted only where the draws are: _Drawn)
         self.ahead = loader.num_workers * loader.prefetch_factor if isinstance(loader, _Parts) and \
             loader.num_workers else 0
@@ -285,7 +285,7 @@ class _Window:
         earlier one's."""
         if self.taken == self.ahead + self.warmup + self.iters:
             _drain_gpu()
-            if self.phase == "rates" and not self.extended:
+            if self.phase == "rates":
                 self._lengthen()
             if self.taken == self.ahead + self.warmup + self.iters:
                 atexit.unregister(self._write_at_exit)
@@ -298,15 +298,17 @@ class _Window:
             self.cpu_started = time.process_time()  # the training process's, all its threads
 
     def _lengthen(self) -> None:
-        """Q's window, once its ``iters`` are in: shorter than :data:`PREP_MIN_S` (as P's is not), it goes on
-        for as many more batches as that takes at its pace so far; where the ranks step together, for as many
-        as the rank that needs most. Should the script end first, the batches it had are written at exit."""
-        self.extended = True
+        """Q's window, each time its ``iters`` are in: shorter than :data:`PREP_MIN_S` (as P's is not), it goes
+        on for as many more batches as that takes at its pace so far (again, should the pace pick up); where
+        the ranks step together, for as many as the rank that needs most (every rank asks at the same batch).
+        Should the script end first, the batches it had are written at exit."""
         elapsed = time.perf_counter() - self.started
         more = _most_of_ranks(math.ceil(self.iters * (PREP_MIN_S / elapsed - 1)) if elapsed < PREP_MIN_S else 0)
         if more:
             self.iters += more
-            atexit.register(self._write_at_exit)
+            if not self.extended:
+                atexit.register(self._write_at_exit)
+            self.extended = True
 
     def _write_at_exit(self) -> None:
         """Q over the batches the loop had, where the script ends in the lengthened window."""

@@ -176,6 +176,24 @@ def test_q_shorter_than_p_is_lengthened_to_the_same_least_time(monkeypatch, tmp_
     assert registered == []  # written at its end: nothing left to write at exit
 
 
+def test_q_whose_pace_picks_up_in_the_lengthened_window_is_lengthened_again(monkeypatch, tmp_path):
+    """The first lengthening is reckoned at the slow pace of the first batches; the window ends only once it
+    is as long as P's."""
+    registered = []
+    monkeypatch.setattr(phases.atexit, "register", registered.append)
+    monkeypatch.setattr(phases.atexit, "unregister", registered.remove)
+    window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=4)
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            phases.time.now += 0.5 if window.taken <= 1 + 4 else 0.25  # 4 batches in 2 s, then twice as fast
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["Q_s"] == phases.PREP_MIN_S
+    assert result["Q_iters"] == 4 + 6 + 5 + 1  # reckoned after 4 batches in 2 s, 10 in 3.5 s, then 15 in 4.75 s
+    assert registered == []  # written at its end, once
+
+
 def test_q_long_enough_already_ends_at_its_iters(monkeypatch, tmp_path):
     window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=4)
     with pytest.raises(SystemExit):
