@@ -8,8 +8,8 @@ light workloads of ``benchmarks.hotpath``: ``image``, small JPEGs decoded and cr
 bytes; the loader alone sets the pace), are alive side by side: ``on``, as shipped; ``off``, whose live
 split's clock reads a constant (``hotpath``'s ``coordl-untimed``, in its forked workers too); and ``on2``, a
 second ``on``: on against on2 is what this method cannot tell from noise. After an untimed epoch each (the
-cache filled, the workers started), every round runs one block of each (the same number of epochs, about
-``--block-s`` long), in an order that rotates each round, and gives the ratios on/off and on/on2 of their
+cache filled, the workers started) and one warm epoch that sets the blocks' length, every round runs one
+block of each (the same number of epochs, about ``--block-s`` long), in an order that rotates each round, and gives the ratios on/off and on/on2 of their
 samples/s: blocks that ran within a second of each other, so that the machine's drift cancels. There are
 ``--builds`` fresh sets of loaders (built in a rotating order), each run for ``--rounds`` rounds. Reported
 per workload and worker count: the median ratio over all rounds with its 95% bootstrap interval
@@ -21,6 +21,7 @@ matplotlib) ``live_split.png`` to ``--out``.
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -69,18 +70,20 @@ def _live_split_s(dl) -> float:
 
 def measure(root: str, workload: str, workers: int, args, build: int) -> dict:
     """One build of the three loaders: their untimed epoch, then ``args.rounds`` rounds; each round's
-    samples/s per loader, and each loader's live split (seconds) at the end."""
+    samples/s per loader, how long on's blocks took (median ``block_s``), and each loader's live split
+    (seconds) at the end."""
     turn = build % len(SYSTEMS)
     order = SYSTEMS[turn:] + SYSTEMS[:turn]
     loaders = {}
     try:
-        for system in order:  # built, their workers forked, under their own clock
+        for system in order:  # built, their workers forked, under their own clock; the cache filled
             with _clock(system):
                 loaders[system] = hotpath.loader("coordl", root, workload, workers, args.batch_size,
                                                  args.seed + build)
-                epoch_s = _pass_s(loaders[system])
+                _pass_s(loaders[system])
+        with _clock(order[0]):  # a warm epoch sets the blocks' length
+            passes = max(1, round(args.block_s / _pass_s(loaders[order[0]])))
         samples = len(loaders["on"].dataset)
-        passes = max(1, round(args.block_s / epoch_s))
         rounds = []
         for r in range(args.rounds):
             rates = {}
@@ -93,7 +96,8 @@ def measure(root: str, workload: str, workers: int, args, build: int) -> dict:
         for dl in loaders.values():
             dl.close()
     return {"workload": workload, "workers": workers, "build": build, "built_in": list(order),
-            "epochs_per_block": passes, "rounds": rounds, "live_split_s": split}
+            "epochs_per_block": passes, "block_s": statistics.median(passes * samples / r["on"] for r in rounds),
+            "rounds": rounds, "live_split_s": split}
 
 
 def median_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> dict:
