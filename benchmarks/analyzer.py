@@ -105,8 +105,8 @@ def _cgroup(cleanup: Cleanup, storage, config: dict):
 
 def memory_figures(memory: dict, where: str) -> dict:
     """What a run's cgroup held (:data:`MEMORY_FIGURES` of its ``memory_summary``), and ``over_budget``: why
-    its page cache broke :data:`PAGE_CACHE_BUDGET`, named with ``where``, or None."""
-    why = over_budget(memory, PAGE_CACHE_BUDGET)
+    its page cache broke :data:`PAGE_CACHE_BUDGET` (or was never sampled), named with ``where``, or None."""
+    why = over_budget(memory, PAGE_CACHE_BUDGET) if memory else "its memory was not followed (no samples)"
     return {**{k: memory.get(k) for k in MEMORY_FIGURES}, "over_budget": f"{where}: {why}" if why else None}
 
 

@@ -211,12 +211,13 @@ def timer_us(repetitions: int = 1_000_000) -> float:
 @contextlib.contextmanager
 def generated_dataset(args, prefix: str):
     """``args.images`` generated JPEGs of ``args.mean_side_px`` in a temporary folder named ``prefix...``, the
-    loaders' caches in a shm folder of their own (``COORDL_SHM_DIR``), both removed at the end: the root."""
+    loaders' caches in a shm folder of their own (``COORDL_SHM_DIR`` while this lasts), both removed at the end:
+    the root."""
     from coordl._constants import SHM_DIR_ENV
     from coordl.synthetic import make_image_folder
 
-    work = tempfile.mkdtemp(prefix=prefix)
-    shm = tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
+    work, previous = tempfile.mkdtemp(prefix=prefix), os.environ.get(SHM_DIR_ENV)
+    shm = tempfile.mkdtemp(prefix=prefix, dir=previous or "/dev/shm")
     os.environ[SHM_DIR_ENV] = shm
     try:
         root = os.path.join(work, "images")
@@ -226,6 +227,10 @@ def generated_dataset(args, prefix: str):
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(SHM_DIR_ENV, None)
+        else:
+            os.environ[SHM_DIR_ENV] = previous
 
 
 def main(argv=None) -> int:

@@ -52,6 +52,13 @@ def _cache_bytes(fraction: float, dataset_bytes: int, largest: int) -> int:
     return int(fraction * dataset_bytes) + (largest if fraction >= 1.0 else 0)  # the last file always fits
 
 
+def _checked(done: dict, over: list[str]) -> dict:
+    """``done`` (an analysis or a run of ``benchmarks.analyzer``), why its memory broke its budget added to
+    ``over``."""
+    over += [m["over_budget"] for m in done["memory"] if m["over_budget"]]
+    return done
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     grid = QUICK if args.quick else FULL
@@ -68,20 +75,20 @@ def main(argv=None) -> int:
         work, storage, sizes = analyzer.dataset_on_its_disk(cleanup, args, images)
         analyzer.warm_up(cleanup, storage, args, work, servers=1)
         dataset_bytes = sum(sizes)
-        settings = []
+        settings, over = [], []  # over: why any analysis or run broke its memory budget
         for mbps, workers in grid["settings"]:
             config = {"read_mbps": mbps, "workers": workers, "cache_bytes": 0}
             where = os.path.join(args.out, "analyses", f"{mbps:g}mbps-{workers}w")
             print(f"{mbps:g} MB/s, {workers} workers: analyzing with no cache ...", flush=True)
-            analyzer.analyze(cleanup, storage, config, args, where)
+            _checked(analyzer.analyze(cleanup, storage, config, args, where), over)
             pipeline, _ = load(os.path.join(where, "analysis.json"))
             predicted_knee = pipeline.cache_knee()
             runs = [(x, rep) for rep in range(grid["reps"]) for x in fractions]
             random.Random(args.seed).shuffle(runs)
             measured = {x: [] for x in fractions}
             for n, (x, rep) in enumerate(runs, 1):
-                rate = analyzer.measure(cleanup, storage, {**config, "cache_bytes": _cache_bytes(
-                    x, dataset_bytes, max(sizes))}, args, work)["samples_per_s"]
+                rate = _checked(analyzer.measure(cleanup, storage, {**config, "cache_bytes": _cache_bytes(
+                    x, dataset_bytes, max(sizes))}, args, work), over)["samples_per_s"]
                 measured[x].append(rate)
                 print(f"  [{n}/{len(runs)}] cache {x:.0%}: {rate:.1f} samples/s", flush=True)
             medians = {x: statistics.median(v) for x, v in measured.items()}
@@ -103,14 +110,15 @@ def main(argv=None) -> int:
         config = {"read_mbps": mbps, "workers": 1, "cache_bytes": _cache_bytes(1.0, dataset_bytes, max(sizes))}
         where = os.path.join(args.out, "analyses", f"{mbps:g}mbps-cached-1w")
         print(f"{mbps:g} MB/s, fully cached, 1 worker: analyzing ...", flush=True)
-        analyzer.analyze(cleanup, storage, config, args, where)
+        _checked(analyzer.analyze(cleanup, storage, config, args, where), over)
         pipeline, _ = load(os.path.join(where, "analysis.json"))
         worker_counts = list(range(1, 2 * cores + 1))
         runs = [(w, rep) for rep in range(grid["reps"]) for w in worker_counts]
         random.Random(args.seed + 1).shuffle(runs)
         measured = {w: [] for w in worker_counts}
         for n, (w, rep) in enumerate(runs, 1):
-            measured[w].append(analyzer.measure(cleanup, storage, {**config, "workers": w}, args, work)["samples_per_s"])
+            run = _checked(analyzer.measure(cleanup, storage, {**config, "workers": w}, args, work), over)
+            measured[w].append(run["samples_per_s"])
             print(f"  [{n}/{len(runs)}] {w} workers: {measured[w][-1]:.1f} samples/s", flush=True)
         medians = {w: statistics.median(v) for w, v in measured.items()}
         predicted_workers = pipeline.workers_knee()
@@ -124,7 +132,7 @@ def main(argv=None) -> int:
             "curve": [{"workers": w, "predicted": pipeline.with_changes(workers=w).predicted,
                        "measured": spread(measured[w])} for w in worker_counts]}
     result = {"settings": settings, "workers": workers_result, "within": args.within,
-              "dataset_bytes": dataset_bytes, "samples": len(sizes)}
+              "dataset_bytes": dataset_bytes, "samples": len(sizes), "over_budget": over}
     setup = {"machine": report.machine(), "provenance": report.provenance(), "load_at_start": load_at_start,
              "load_at_end": os.getloadavg(), "storage": storage.detail,
              "settings": {**vars(args), **grid, "images": images}}
@@ -133,7 +141,7 @@ def main(argv=None) -> int:
     for name, content in (("results.json", result), ("setup.json", setup)):
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(content, f, indent=2)
-    text = markdown(result, setup)
+    text = markdown(result, setup) + f"\nanalyses and runs over their memory budget: {len(over)}\n"
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     print(text)

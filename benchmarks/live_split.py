@@ -9,8 +9,9 @@ bytes; the loader alone sets the pace), are alive side by side: ``on``, as shipp
 split's clock reads a constant (``hotpath``'s ``coordl-untimed``, in its forked workers too); and ``on2``, a
 second ``on``: on against on2 is what this method cannot tell from noise. After an untimed epoch each (the
 cache filled, the workers started) and one warm epoch that sets the blocks' length, every round runs one
-block of each (the same number of epochs, about ``--block-s`` long), in an order that rotates each round, and gives the ratios on/off and on/on2 of their
-samples/s: blocks that ran within a second of each other, so that the machine's drift cancels. There are
+block of each (the same number of epochs, about ``--block-s`` long), in an order that rotates each round,
+and gives the ratios on/off and on/on2 of their samples/s: blocks that ran within a second or so of each
+other, so that the machine's drift cancels. There are
 ``--builds`` fresh sets of loaders (built in a rotating order), each run for ``--rounds`` rounds. Reported
 per workload and worker count: the median ratio over all rounds with its 95% bootstrap interval
 (:func:`median_interval`), and the rounds' min and max. Timers costing at most 1% (the goal) is shown where
@@ -87,7 +88,8 @@ def measure(root: str, workload: str, workers: int, args, build: int) -> dict:
         rounds = []
         for r in range(args.rounds):
             rates = {}
-            for system in order[r % 3:] + order[:r % 3]:
+            turn = r % len(SYSTEMS)
+            for system in order[turn:] + order[:turn]:
                 with _clock(system):
                     rates[system] = passes * samples / _pass_s(loaders[system], passes)
             rounds.append(rates)
@@ -121,8 +123,8 @@ def summarize(builds: list[dict]) -> list[dict]:
 
     points = []
     for key in dict.fromkeys((b["workload"], b["workers"]) for b in builds):
-        mine = [b for b in builds if (b["workload"], b["workers"]) == key]
-        rounds = [r for b in mine for r in b["rounds"]]
+        point_builds = [b for b in builds if (b["workload"], b["workers"]) == key]
+        rounds = [r for b in point_builds for r in b["rounds"]]
         on_over_off = median_interval([r["on"] / r["off"] for r in rounds])
         points.append({
             "workload": key[0], "workers": key[1], "on_over_off": on_over_off,
@@ -130,7 +132,7 @@ def summarize(builds: list[dict]) -> list[dict]:
             **{f"{s}_samples_per_s": spread([r[s] for r in rounds]) for s in SYSTEMS},
             "goal_shown": on_over_off["low"] >= GOAL,
             "switch_checked": all(b["live_split_s"]["off"] == 0 < min(b["live_split_s"]["on"], b["live_split_s"]["on2"])
-                                  for b in mine)})
+                                  for b in point_builds)})
     return points
 
 
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
                     builds.append(measure(root, workload, workers, args, build))
                     ratios = [r["on"] / r["off"] for r in builds[-1]["rounds"]]
                     print(f"build {build + 1}/{args.builds} {workload:<5} workers={workers}: on / off median "
-                          f"{sorted(ratios)[len(ratios) // 2]:.4f} over {len(ratios)} rounds", flush=True)
+                          f"{statistics.median(ratios):.4f} over {len(ratios)} rounds", flush=True)
     points = summarize(builds)
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args),
              "load_at_start": load_at_start, "load_at_end": os.getloadavg()}

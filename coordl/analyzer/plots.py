@@ -84,7 +84,7 @@ def draw(pipeline: Pipeline, measured: float | None, out_dir: str) -> list[str]:
 def _draw_whatif(plt, p: Pipeline, curves: dict, path: str) -> None:
     fig, ((workers, storage), (jobs, servers)) = plt.subplots(2, 2, figsize=(10, 7))
     for ax in (workers, storage, jobs, servers):
-        ax.set_ylabel("samples/s per job")
+        ax.set_ylabel("samples/s per rank")  # a rank's prediction, as the report gives it
     xs, ys = zip(*curves["workers"])
     workers.plot(xs, ys, "o-", color="k")
     workers.axhline(p.G, color="C0", linestyle=":", label="G (ingestion)")
@@ -122,7 +122,7 @@ def _draw_whatif(plt, p: Pipeline, curves: dict, path: str) -> None:
         servers.plot(xs, ys, "o-", color="k")
         servers.set_xticks(xs)
         servers.axvline(p.servers, color="C3", linewidth=0.8, label="these servers")
-        servers.set_xlabel("servers, each caching the same share")
+        servers.set_xlabel("servers, each caching the same share (a rank on each)")
         servers.legend(fontsize=8)
     servers.set_title("servers with partitioned caching")
     for ax in (workers, storage, jobs, servers):

@@ -25,18 +25,21 @@ def test_the_interval_holds_the_median_and_narrows_with_more_rounds():
                                                       "max": 1.02, "n": 7}
 
 
-def _build(on_over_off: float, split_off: float = 0.0, workers: int = 0) -> dict:
-    rounds = [{"on": 100.0 * (1 + d), "off": 100.0 * (1 + d) / on_over_off, "on2": 100.0}
-              for d in (-0.002, 0.0, 0.002)]
+def _build(on_over_off: float, spread: float = 0.002, split_off: float = 0.0, workers: int = 0) -> dict:
+    """Five rounds whose on/off ratios are ``on_over_off`` and that ± ``spread`` and ± half of it."""
+    rounds = [{"on": 100.0, "off": 100.0 / (on_over_off + d * spread), "on2": 100.0} for d in (-1, -0.5, 0, 0.5, 1)]
     return {"workload": "bytes", "workers": workers, "rounds": rounds,
             "live_split_s": {"on": 0.5, "off": split_off, "on2": 0.4}}
 
 
-@pytest.mark.parametrize("ratio, shown", [(1.0, True), (0.995, True), (0.985, False)])
-def test_the_goal_is_shown_only_where_the_whole_interval_is_at_or_above_0_99(ratio, shown):
-    point, = live_split.summarize([_build(ratio), _build(ratio)])
-    assert point["on_over_off"]["median"] == pytest.approx(ratio)
-    assert point["on_over_off"]["n"] == 6 and point["goal_shown"] is shown and point["switch_checked"]
+@pytest.mark.parametrize("ratio, spread, shown", [(1.0, 0.002, True), (0.995, 0.002, True), (0.985, 0.002, False),
+                                                  (0.993, 0.02, False)])  # the last: the median over, the interval not
+def test_the_goal_is_shown_only_where_the_whole_interval_is_at_or_above_0_99(ratio, spread, shown):
+    point, = live_split.summarize([_build(ratio, spread), _build(ratio, spread)])
+    r = point["on_over_off"]
+    assert r["median"] == pytest.approx(ratio) and r["n"] == 10 and r["low"] < r["median"] < r["high"]
+    assert point["goal_shown"] is shown and point["switch_checked"]
+    assert (r["low"] >= live_split.GOAL) is shown
 
 
 def test_a_build_whose_off_loader_timed_anything_fails_the_switch_check():
