@@ -110,9 +110,15 @@ def memory_figures(memory: dict, where: str) -> dict:
     return {**{k: memory.get(k) for k in MEMORY_FIGURES}, "over_budget": f"{where}: {why}" if why else None}
 
 
-def _run(cmd: list[str], group, timeout_s: float, where: str) -> tuple[str, int, dict]:
+def over_budget_of(done: dict) -> list[str]:
+    """Why an analysis or a run (:func:`analyze`, :func:`measure` and their multi-server twins) broke its
+    memory budget, one reason per group that did."""
+    return [m["over_budget"] for m in done["memory"] if m["over_budget"]]
+
+
+def _run(cmd: list[str], group, timeout_s: float, where: str) -> tuple[str, int, list[dict]]:
     """Run ``cmd`` in ``group`` (None: in none) with a shm folder of its own; its stdout, the device bytes it
-    read and what its group held (:func:`memory_figures`, named with ``where``)."""
+    read and what its group held (``[memory_figures]``, named with ``where``; [] in none)."""
     shm = tempfile.mkdtemp(prefix=f"{PREFIX}-analyzer-", dir=shm_dir())
     previous = os.environ.get("COORDL_SHM_DIR")
     os.environ["COORDL_SHM_DIR"] = shm
@@ -130,7 +136,7 @@ def _run(cmd: list[str], group, timeout_s: float, where: str) -> tuple[str, int,
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({'timed out' if result.timed_out else result.returncode})"
                            f": {result.stderr[-3000:]}")
-    return result.stdout, read, memory_figures(result.memory, where)
+    return result.stdout, read, [memory_figures(result.memory, where)] if group else []
 
 
 def analyze(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = True) -> dict:
@@ -142,7 +148,7 @@ def analyze(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = 
            str(args.warmup), "--", sys.executable, JOB, storage.root, *_job_args(config, args)]
     _, _, memory = _run(cmd, group, 1800, "coordl analyze")
     with open(os.path.join(out_dir, "analysis.json")) as f:
-        return {**json.load(f), "analysis_s": time.monotonic() - started, "memory": [memory]}
+        return {**json.load(f), "analysis_s": time.monotonic() - started, "memory": memory}
 
 
 def _job_args(config: dict, args) -> list[str]:
@@ -225,7 +231,7 @@ def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     return {"samples_per_s": sum(e["samples"] for e in steady) / sum(e["time_s"] for e in steady),
             "device_bytes_per_epoch": read / len(epochs), "hit_fraction": hits / max(1, hits + misses),
             "miss_wait_s": sum(e["storage_wait_s"] for e in steady) / misses if misses else None,
-            "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None, "memory": [memory]}
+            "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None, "memory": memory}
 
 
 def plot(configs: list[dict], out_dir: str) -> list[str]:
@@ -388,7 +394,7 @@ def main(argv=None) -> int:
                           device_bytes_per_epoch=[r["device_bytes_per_epoch"] for r in runs],
                           hit_fraction=[r["hit_fraction"] for r in runs],
                           memory=[m for done in analyses + runs for m in done["memory"]])
-            config["over_budget"] = [m["over_budget"] for m in config["memory"] if m["over_budget"]]
+            config["over_budget"] = over_budget_of(config)
             if multi_server:
                 config.update(servers_predicted=analysis["servers_predicted"],
                               peer_hit_fraction=[r["peer_hit_fraction"] for r in runs])

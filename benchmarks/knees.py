@@ -55,7 +55,7 @@ def _cache_bytes(fraction: float, dataset_bytes: int, largest: int) -> int:
 def _checked(done: dict, over: list[str]) -> dict:
     """``done`` (an analysis or a run of ``benchmarks.analyzer``), why its memory broke its budget added to
     ``over``."""
-    over += [m["over_budget"] for m in done["memory"] if m["over_budget"]]
+    over += analyzer.over_budget_of(done)
     return done
 
 

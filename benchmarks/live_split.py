@@ -11,13 +11,12 @@ second ``on``: on against on2 is what this method cannot tell from noise. After 
 cache filled, the workers started) and one warm epoch that sets the blocks' length, every round runs one
 block of each (the same number of epochs, about ``--block-s`` long), in an order that rotates each round,
 and gives the ratios on/off and on/on2 of their samples/s: blocks that ran within a second or so of each
-other, so that the machine's drift cancels. There are
-``--builds`` fresh sets of loaders (built in a rotating order), each run for ``--rounds`` rounds. Reported
-per workload and worker count: the median ratio over all rounds with its 95% bootstrap interval
-(:func:`median_interval`), and the rounds' min and max. Timers costing at most 1% (the goal) is shown where
-the interval of on/off lies at or above 0.99. Each build checks that the switch did what it says: off's live
-split stays at 0 while on's grows. Writes ``results.json`` (with ``setup``), ``results.md`` and (with
-matplotlib) ``live_split.png`` to ``--out``.
+other, so that the machine's drift cancels. There are ``--builds`` fresh sets of loaders (built in a
+rotating order), each run for ``--rounds`` rounds. Reported per workload and worker count: the median ratio
+over all rounds with its 95% bootstrap interval (:func:`median_interval`), and the rounds' min and max.
+Timers costing at most 1% (the goal) is shown where the interval of on/off lies at or above 0.99. Each build
+checks that the switch did what it says: off's live split stays at 0 while on's grows. Writes
+``results.json`` (with ``setup``), ``results.md`` and (with matplotlib) ``live_split.png`` to ``--out``.
 """
 
 import argparse

@@ -9,8 +9,8 @@ MOST_JOBS = MOST_SERVERS = 8
 
 
 def whatif_curves(pipeline: Pipeline) -> dict:
-    """What ``whatif.png`` draws: the predicted samples/s (per job) against each knob the what-if answers
-    turn, as ``[(setting, samples/s), ...]``: ``workers`` (1 to twice the cores; ``workers_knee``),
+    """What ``whatif.png`` draws: the predicted samples/s (a rank's, as the report gives it) against each knob
+    the what-if answers turn, as ``[(setting, samples/s), ...]``: ``workers`` (1 to twice the cores; ``workers_knee``),
     ``storage`` (storage :data:`STORAGE_FACTORS` times as fast), ``jobs`` (1 to :data:`MOST_JOBS` jobs, as
     ``(k, coordinated, each on its own)``) and ``servers`` (1 to :data:`MOST_SERVERS` with partitioned
     caching; None without a measured peer rate R)."""
