@@ -55,7 +55,7 @@ import time
 import numpy as np
 
 from coordl._constants import GROUP_KIND, MAX_GROUP_MEMBERS, STAGED_KIND_PREFIX, STAGING_SLOTS
-from coordl._shm import Segment, unlink_segment
+from coordl._shm import Segment, unlink_segment, unlink_segments
 
 logger = logging.getLogger(__name__)
 
@@ -237,11 +237,21 @@ class GroupState:
         row[:] = 0
         row[_M_PID], row[_M_JOINED_NS], row[_M_EXPECT] = pid, time.time_ns(), expected_members
 
+    def written_prefix(self, slot: int) -> str:
+        """Prefix of the batches member ``slot`` writes before staging them (``staging_collate`` NOTE
+        [ Written batches ]): its slot and join time, so a later member in the slot has another."""
+        return f"{self.prefix}w{slot}-{int(self.members[slot, _M_JOINED_NS]):x}-"
+
+    def _remove(self, slot: int) -> None:
+        """Clear member ``slot``'s row and remove the batches it wrote and did not stage."""
+        unlink_segments(self.written_prefix(slot))
+        self.members[slot] = 0
+
     def unregister(self, slot: int, pid: int) -> None:
         """Remove member ``slot`` (if ``pid`` still holds it), failing its part of the running epoch."""
         if self.members[slot, _M_PID] == pid:
             self.fail(slot, "left")
-            self.members[slot] = 0
+            self._remove(slot)
 
     def reap(self, live: list[int]) -> int:
         """Fail and unregister members whose liveness slot is not in ``live``; return how many live members
@@ -252,7 +262,7 @@ class GroupState:
                 alive += 1
             else:
                 self.fail(int(slot), "died")
-                self.members[slot] = 0
+                self._remove(int(slot))
         return alive
 
     def _active_slots(self) -> list[int]:

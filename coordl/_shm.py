@@ -516,6 +516,17 @@ def open_unlocked(name: str) -> "Segment | None":
     return Segment._map(name, locking=False, holder_info=False)
 
 
+def rename_segment(old: str, new: str) -> None:
+    """Give segment ``old`` the name ``new``; processes mapping it keep their mapping.
+
+    Raises:
+        FileExistsError: segment ``new`` exists (it is left alone, and ``old`` too).
+        FileNotFoundError: segment ``old`` does not exist.
+    """
+    os.link(segment_path(old), segment_path(new))
+    os.unlink(segment_path(old))
+
+
 def unlink_segment(name: str) -> None:
     """Remove segment ``name`` if it exists; processes mapping it keep their mapping."""
     with contextlib.suppress(FileNotFoundError):

@@ -1,27 +1,29 @@
 """One epoch of an hp_group member: prepare this job's share, publish it, consume every batch in plan order.
 
 NOTE [ Producer and consumer ]
-A producer thread pulls this job's share from its own loader (torch's iterator over the job's
-workers, or the job's DALI pipeline), publishes each batch into the group's staging area (one copy,
-into shared memory) and then hands it to this job's consumer without a copy. Batches taken over from
-a failed member are prepared in the producer thread itself. The consumer (the training loop's
-``next()``) walks the plan in order: its own batches come from the producer, the others' are mapped
-copy-on-write from the staging area (or copied into pinned memory). A private mapping outlives the
-segment's name, so the slot is freed as soon as every member has mapped it, and a member's writes to
-its batch stay its own. A batch is handed over only once published, so no member runs ahead of the
-staging window. The consumer takes another's batch only after confirming under the lock that its ring
-row still holds it (NOTE [ Ring rows ] in _group_state); a stale poll is polled again.
+A producer thread pulls this job's share from its own loader (torch's iterator over the job's workers,
+or the job's DALI pipeline), publishes each batch into the group's staging area (one copy into shared
+memory, or none where the workers wrote the batch into a segment of its own, which is renamed:
+``staging_collate`` NOTE [ Written batches ]) and then hands it to this job's consumer without a copy.
+Batches taken over from a failed member are prepared in the producer thread itself. The consumer (the
+training loop's ``next()``) walks the plan in order: its own batches come from the producer, the others'
+are mapped copy-on-write from the staging area (or copied into pinned memory). A private mapping
+outlives the segment's name, so the slot is freed as soon as every member has mapped it, and a member's
+writes to its batch stay its own. A batch is handed over only once published, so no member runs ahead of
+the staging window. The consumer takes another's batch only after confirming under the lock that its
+ring row still holds it (NOTE [ Ring rows ] in _group_state); a stale poll is polled again.
 
 NOTE [ Own batches ahead ]
 The staging window bounds what a member stages for the others, but not what its producer holds for its
 own consumer: a lone member (no other to stage for) or one far ahead of the slowest would hold its whole
-share, each batch with the shared memory and file descriptors of torch's worker tensors. So a producer
-pulls a batch from its loader only while it holds fewer than ``ahead`` of its own batches that its
-consumer has not taken yet (pulled, published or not), with ``ahead`` what torch keeps in flight for a
-job without hp_group (num_workers × prefetch_factor, at least 2): whatever the group's size, a member
-holds about twice what that job holds, besides the others' batches it maps. One exception keeps the
-group live: a source whose next batch comes before every held one (a batch taken over, needed first)
-may always pull, so the batch the consumer waits for is never held back by later ones.
+share, each batch with its shared memory and file descriptors (torch's worker tensors, or the mappings
+of a written segment). So a producer pulls a batch from its loader only while it holds fewer than
+``ahead`` of its own batches that its consumer has not taken yet (pulled, published or not), with
+``ahead`` what torch keeps in flight for a job without hp_group (num_workers × prefetch_factor, at least
+2): whatever the group's size, a member holds about twice what that job holds, besides the others'
+batches it maps. One exception keeps the group live: a source whose next batch comes before every held
+one (a batch taken over, needed first) may always pull, so the batch the consumer waits for is never
+held back by later ones.
 """
 
 import dataclasses
@@ -35,6 +37,7 @@ from typing import Any
 from coordl import _batch_codec
 from coordl._constants import LIVENESS_POLL_S
 from coordl.coord_prep import ALONE, NOT_MINE, EpochTicket, HPGroup
+from coordl.staging_collate import WrittenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -161,28 +164,46 @@ class _Producer:
     def _publish(self, source: _Source) -> bool:
         """Stage ``source``'s pending batch if there is room; whether it is done with (published or dropped)."""
         batch_id, batch, encoded = source.pending
-        if encoded is None:
+        written = isinstance(batch, WrittenBatch)
+        if encoded is None and not written:
             encoded = _batch_codec.encode(batch)
             source.pending = (batch_id, batch, encoded)
-        seq = self.group.reserve(self.epoch, batch_id, encoded.nbytes)
+        seq = self.group.reserve(self.epoch, batch_id, batch.nbytes if written else encoded.nbytes)
         if seq is None:
             return False
         source.pending = None
-        if seq == NOT_MINE:
+        if seq == NOT_MINE:  # (a written batch's segment goes with its WrittenBatch)
             return True
-        if seq != ALONE:
+        if written:
+            batch = self._stage_written(batch, batch_id, seq)
+        elif seq != ALONE:
             segment = self.group.create_staged(seq, encoded.nbytes)
             try:
                 _batch_codec.write(encoded, segment.buf, self.epoch, batch_id)
             finally:
                 segment.close()
-            if not self.group.commit(self.epoch, batch_id, seq):
-                return True
+        if seq != ALONE and not self.group.commit(self.epoch, batch_id, seq):
+            return True
         with self.cond:
             self.ready[batch_id] = batch
             self.counters.prepared += 1
             self.cond.notify_all()
         return True
+
+    def _stage_written(self, written: WrittenBatch, batch_id: int, seq: int):
+        """This job's batch ``batch_id`` from the segment its loader wrote, which becomes staged batch ``seq``
+        (unless it is :data:`ALONE`): stamped, its large tensors mapped copy-on-write (NOTE [ Written batches ]
+        in staging_collate)."""
+        segment = self.group.open_written(written.name)
+        try:
+            _batch_codec.stamp(segment.buf, self.epoch, batch_id)
+            batch = _batch_codec.read(segment.buf, self.epoch, batch_id, map_range=segment.private_map)
+            if seq != ALONE:
+                self.group.stage_written(seq, written.name)
+                written.adopted()
+        finally:
+            segment.close()
+        return batch
 
 
 def _stop(producer: _Producer, thread: threading.Thread, group: HPGroup, finished: list[bool]) -> None:

@@ -42,7 +42,7 @@ import numpy as np
 from coordl._constants import GROUP_KIND, SHM_PREFIX
 from coordl._group_state import ALONE, LAYOUT_VERSION, NOT_MINE, GroupState, GroupStats, MemberStats, header_ok, segment_size, \
     staged_name, staged_prefix
-from coordl._shm import Segment, SegmentKind, create_unlocked, open_or_create, open_unlocked, shm_dir
+from coordl._shm import Segment, SegmentKind, create_unlocked, open_or_create, open_unlocked, rename_segment, shm_dir
 from coordl._sizes import format_bytes
 from coordl.exceptions import GroupMismatchError, ShmCapacityError, StagingError
 
@@ -376,6 +376,36 @@ class HPGroup:
         if segment is None:
             raise StagingError(f"internal error: staged batch segment {name} already exists")
         return segment
+
+    @property
+    def written_prefix(self) -> str:
+        """Prefix of the segments this member's share loader writes batches into (``staging_collate``)."""
+        return self._state.written_prefix(self._slot)
+
+    def open_written(self, name: str) -> Segment:
+        """The (unlocked) segment of a batch this member's share loader wrote; the caller closes it.
+
+        Raises:
+            StagingError: it is gone (removed by hand, e.g. ``coordl group rm --force``).
+        """
+        segment = open_unlocked(name)
+        if segment is None:
+            raise self._written_gone(name)
+        return segment
+
+    def stage_written(self, seq: int, name: str) -> None:
+        """Make written batch segment ``name`` the segment of reserved batch ``seq`` (renamed, not copied)."""
+        try:
+            rename_segment(name, staged_name(self.name, seq))
+        except FileExistsError:
+            raise StagingError(f"internal error: staged batch segment {staged_name(self.name, seq)} already "
+                               f"exists") from None
+        except FileNotFoundError:
+            raise self._written_gone(name) from None
+
+    def _written_gone(self, name: str) -> StagingError:
+        return StagingError(f"written batch {name} of hp_group {self.group!r} disappeared from {shm_dir()} (was "
+                            f"the group removed with `coordl group rm --force`?)")
 
     def commit(self, epoch: int, batch: int, seq: int) -> bool:
         """Publish reserved ``batch`` once written; False (and its segment removed) if it was taken over."""

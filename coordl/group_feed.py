@@ -13,10 +13,12 @@ import warnings
 import torch.utils.data
 
 from coordl._group_config import auto_staging_bytes, group_settings
+from coordl._shm import unlink_segments
 from coordl.cached_dataset import CachedDataset
 from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
 from coordl.coord_prep import HPGroup, epoch_plan
 from coordl.exceptions import GroupMismatchError
+from coordl.staging_collate import StagingCollate
 
 
 def join_group(name: str, dataset: CachedDataset, *, batch_size: int, drop_last: bool, shuffled: bool, generator,
@@ -71,7 +73,8 @@ class GroupFeed:
         group: this job's membership.
         dataset: the loader's dataset (its fetch path; the feed loads through an unfed view of it).
         batch_size, drop_last, shuffled: the loader's batching (members agree on them).
-        collate_fn: the user's collate function (the share is collated with it).
+        collate_fn: the user's collate function (the share is collated with it; torch's ``default_collate``
+            as :class:`~coordl.staging_collate.StagingCollate`, straight into staging segments).
         loader_options: torch DataLoader options of this job's share loader (``num_workers``,
             ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ``prefetch_factor``,
             ``persistent_workers``, ``generator``).
@@ -93,6 +96,8 @@ class GroupFeed:
         self.ledger = None
         self._share = _ShareSampler()
         self._share_loader = None
+        self._share_iter = None  # this epoch's iterator over the share loader
+        self._staging = None  # the share loader's StagingCollate, if it collates with one
         self._coordinated = None
         self._plan: list[list[int]] = []
         self._next = 0
@@ -102,9 +107,30 @@ class GroupFeed:
     def _share_batches(self):
         """This job's share through its own workers (a torch DataLoader over an unfed view of the dataset)."""
         if self._share_loader is None:
+            if self.collate_fn is torch.utils.data.default_collate:
+                self._staging = StagingCollate(self.group.written_prefix, self.group.group)
             self._share_loader = torch.utils.data.DataLoader(
-                self.dataset.unfed(), batch_sampler=self._share, collate_fn=self.collate_fn, **self.loader_options)
-        return iter(self._share_loader)
+                self.dataset.unfed(), batch_sampler=self._share, collate_fn=self._staging or self.collate_fn,
+                **self.loader_options)
+        if self._staging is not None and not self._persistent:
+            self._staging.tag += 1  # the epoch's workers start (and take the collate function) in iter()
+        self._share_iter = iter(self._share_loader)
+        return self._share_iter
+
+    @property
+    def _persistent(self) -> bool:
+        return bool(self.loader_options.get("num_workers") and self.loader_options.get("persistent_workers"))
+
+    def _sweep_share(self) -> None:
+        """Stop the ended epoch's workers (unless persistent) and remove the batches they wrote that never
+        reached this process (NOTE [ Written batches ] in staging_collate)."""
+        share, self._share_iter = self._share_iter, None
+        if share is None or self._persistent:
+            return
+        if hasattr(share, "_shutdown_workers"):
+            share._shutdown_workers()
+        if self._staging is not None:
+            unlink_segments(self._staging.tag_prefix())
 
     def begin(self, batches) -> list[list[int]]:
         """Wait for the group's next epoch and start producing this job's share; the group's plan (torch's
@@ -124,7 +150,7 @@ class GroupFeed:
                 prepare = functools.partial(_prepare_dali_batches, self.dali, seed)
             else:
                 share = self._share_batches()
-                prepare = functools.partial(_prepare_batches, self.dataset.unfed(), self.collate_fn)
+                prepare = functools.partial(_prepare_batches, self.dataset.unfed(), self._staging or self.collate_fn)
             self._coordinated = CoordinatedEpoch(self.group, ticket, plan, share, mine, generation, prepare,
                                                  self.counters, ahead=self.ahead)
         except BaseException:
@@ -165,7 +191,9 @@ class GroupFeed:
         if coordinated is None:
             return
         coordinated.close()
-        if coordinated.producer_running and self.dali is not None:
+        if not coordinated.producer_running:
+            self._sweep_share()
+        elif self.dali is not None:
             # Still inside its pipeline past the join timeout: leave that pipeline to it, use a new one.
             self.dali = self.dali.twin()
 

@@ -11,7 +11,6 @@ its other clients go on.
 """
 
 import logging
-import os
 import socket
 import threading
 import time

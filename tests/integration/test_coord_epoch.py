@@ -202,6 +202,38 @@ def test_batches_taken_over_are_prepared_even_with_the_own_bound_reached(members
     assert [x.tolist() for x in epoch] == plan
 
 
+def _written(shm: str) -> set[str]:
+    """Segments that workers wrote batches into and that are not staged (``staging_collate``)."""
+    return {name for name in os.listdir(shm) if "_sw" in name}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent, context", [(False, "spawn"), (True, "fork")])
+def test_batches_written_for_an_epoch_left_early_are_removed_as_the_next_begins(tmp_path, shm_namespace, persistent,
+                                                                                context):
+    """Leaving an epoch after one batch, the workers have written the batches torch keeps asked for (prefetch
+    factor × workers) into segments that sit in torch's queue, never received; the next epoch removes them
+    (the last epoch's workers stopped, or torch's drain of persistent ones), and sees every sample once."""
+    n, workers, prefetch = 60, 2, 2
+    root = str(tmp_path / "files")
+    _procs.IndexFiles.write(root, n)
+    with coordl.DataLoader(_procs.IndexFiles(root, n), batch_size=4, shuffle=True, cache_bytes=0,
+                           hp_group=f"test-{secrets.token_hex(4)}", num_workers=workers, prefetch_factor=prefetch,
+                           persistent_workers=persistent, multiprocessing_context=context) as loader:
+        indices, _, _ = next(iter(loader))
+        assert len(indices) == 4
+        _until(lambda: len(_written(shm_namespace)) == workers * prefetch, "the workers' unreceived batches")
+        time.sleep(0.2)
+        left = _written(shm_namespace)
+        assert len(left) == workers * prefetch  # no more: the producer holds its few batches, mapped
+        epoch = iter(loader)
+        seen = next(epoch)[0].tolist()
+        assert not left & _written(shm_namespace)
+        seen += [i for indices, _, _ in epoch for i in indices.tolist()]
+        assert sorted(seen) == list(range(n))
+        assert not _written(shm_namespace)
+
+
 @pytest.mark.slow
 def test_a_lone_member_with_workers_stays_within_128_open_files(tmp_path):
     """torch's worker tensors each keep a descriptor while held: a lone member whose producer ran ahead of a

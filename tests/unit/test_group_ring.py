@@ -1,7 +1,9 @@
-"""The staging ring's state machine, driven step by step on anonymous memory (no /dev/shm, no processes)."""
+"""The staging ring's state machine, driven step by step on anonymous memory (no processes; /dev/shm only for the
+segments a member wrote)."""
 
 import itertools
 import mmap
+import os
 import random
 
 import numpy as np
@@ -9,9 +11,10 @@ import pytest
 
 from coordl import _group_state
 from coordl._constants import STAGING_SLOTS
-from coordl._group_state import (_H_CAPACITY, _H_PEAK_BYTES, _H_STAGED_BYTES, _M_EXPECT, _M_PID,
+from coordl._group_state import (_H_CAPACITY, _H_PEAK_BYTES, _H_STAGED_BYTES, _M_EXPECT, _M_JOINED_NS, _M_PID,
                                  _R_BATCH, _R_EPOCH, _R_NBYTES, _R_SEQ, _R_STATE, _READY, _WRITING, ALONE, NOT_MINE,
                                  GroupState, segment_size, staged_name)
+from coordl._shm import segment_path, shm_dir
 
 GROUP = "cdl_0123456789ab_group"
 
@@ -341,3 +344,23 @@ def test_a_consumer_confirms_a_poll_under_the_lock(unlinked):
     assert not state.holds(epoch, batch + STAGING_SLOTS, new)  # reserved, not yet published
     assert state.commit(0, epoch, batch + STAGING_SLOTS, new) and state.holds(epoch, batch + STAGING_SLOTS, new)
     assert not state.holds(epoch + 1, batch + STAGING_SLOTS, new)
+
+
+def test_a_member_gone_takes_the_batches_it_wrote_but_never_staged_along(unlinked):
+    """Its written segments (``staging_collate``) go when it dies or leaves; another member's stay, and so do
+    those of a member that held its slot before (another join time)."""
+    state = _group(4, 3)
+    for slot, joined in enumerate((7, 8, 9)):
+        state.members[slot, _M_JOINED_NS] = joined
+    earlier_in_slot_0 = f"{state.prefix}w0-6-1-a-1"
+    written = {slot: f"{state.written_prefix(slot)}1-a-1" for slot in range(3)}
+    for name in [earlier_in_slot_0, *written.values()]:
+        open(segment_path(name), "w").close()
+    assert len({state.written_prefix(slot) for slot in range(3)} | {f"{state.prefix}w0-6-"}) == 4
+
+    assert state.reap(live=[1, 2]) == 2  # slot 0 died
+    state.unregister(1, 1001)  # slot 1 left
+    assert sorted(os.listdir(shm_dir())) == sorted(os.path.basename(segment_path(n))
+                                                   for n in (earlier_in_slot_0, written[2]))
+    for name in (earlier_in_slot_0, written[2]):
+        os.unlink(segment_path(name))
