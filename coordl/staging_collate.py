@@ -17,9 +17,9 @@ the writing process and a counter. Where each goes:
   * received but not adopted (an epoch left early, a batch no longer this member's, torch draining a
     persistent worker's results at the next epoch): unlinked when its :class:`WrittenBatch` is garbage;
   * never received (workers shut down with results in torch's queue): removed by the feed's sweep of
-    the iterator's tag once its workers are gone, or of all of the member's at ``close``;
-  * the member's process dies: removed when the group reaps it (``_group_state``), and in any case with
-    the group's other staged segments when its last member leaves.
+    the iterator's tag once its workers are gone (``GroupFeed``);
+  * whatever is left of a member's: removed when it leaves the group or is reaped dead
+    (``_group_state``), and in any case with the group's staged segments when its last member leaves.
 """
 
 import functools
