@@ -116,16 +116,17 @@ def write(encoded: Encoded, buf, epoch: int, batch: int) -> None:
     The copies are numpy's, on the calling thread with the GIL released: torch's ``copy_`` would split a
     large one over its intra-op threads, whose spinning after each copy costs the training process CPU
     time that the job's workers need (a fifth of a staged batch's CPU on two cores, measured). Stacks are
-    torch's (in torch's workers, which run one thread each)."""
+    torch's: in torch's workers on their one thread (elsewhere, with ``num_workers=0`` or for batches
+    taken over, on the training process's intra-op threads)."""
     stamp(buf, epoch, batch)
     np.ndarray((1,), np.int64, buf, 24)[0] = len(encoded.meta)
     buf[_PREFIX_BYTES:_PREFIX_BYTES + len(encoded.meta)] = encoded.meta
     for at, t in encoded.tensors:
         if isinstance(t, Stack):
             count = math.prod(t.shape)
-            if count:
-                out = torch.frombuffer(buf, dtype=t.dtype, count=count, offset=at).view(t.shape)
-                torch.stack([x.detach() for x in t.tensors], 0, out=out)
+            out = torch.frombuffer(buf, dtype=t.dtype, count=count, offset=at).view(t.shape) if count else \
+                torch.empty(t.shape, dtype=t.dtype)  # (empty: stacked all the same, for torch's checks)
+            torch.stack(t.tensors, 0, out=out)
             continue
         n = t.numel() * t.element_size()
         if n:

@@ -242,6 +242,12 @@ class GroupState:
         [ Written batches ]): its slot and join time, so a later member in the slot has another."""
         return f"{self.prefix}w{slot}-{int(self.members[slot, _M_JOINED_NS]):x}-"
 
+    def remove_strays(self) -> None:
+        """Remove batches written for members no longer in the group: a dead member's orphaned workers may
+        write one after it was reaped (``staging_collate`` NOTE [ Written batches ])."""
+        members = np.flatnonzero(self.members[:, _M_PID])
+        unlink_segments(f"{self.prefix}w", keep=tuple(self.written_prefix(int(slot)) for slot in members))
+
     def _remove(self, slot: int) -> None:
         """Clear member ``slot``'s row and remove the batches it wrote and did not stage."""
         unlink_segments(self.written_prefix(slot))

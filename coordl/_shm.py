@@ -184,23 +184,51 @@ def _process_state(pid: int) -> str:
 
 
 class _DirLock:
-    """An exclusive flock on the shm directory: serialises creations so allocations never race."""
+    """An exclusive flock on the shm directory: serialises creations so allocations never race.
+
+    A flock belongs to the open file description, which a forked child shares: a child forked while
+    another thread holds the lock closes its copy (:func:`_after_fork_in_child`), or the lock would stay
+    held for as long as the child lives, and the child's own first creation would wait for it forever.
+    Descriptors are opened and closed under ``_dir_lock_fds_lock``, which a fork waits for, so the child
+    knows exactly which of its descriptors are such copies."""
 
     def __enter__(self):
-        self.fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        with _dir_lock_fds_lock:
+            self.fd = os.open(shm_dir(), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            _dir_lock_fds.add(self.fd)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        os.close(self.fd)  # closing drops the flock
+        self._close()  # closing drops the flock
+
+    def _close(self) -> None:
+        with _dir_lock_fds_lock:
+            _dir_lock_fds.discard(self.fd)
+            os.close(self.fd)
+
+
+_dir_lock_fds: set[int] = set()
+_dir_lock_fds_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
+    global _dir_lock_fds_lock
+    for fd in _dir_lock_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _dir_lock_fds.clear()
+    _dir_lock_fds_lock = threading.Lock()
     for segment in list(_SEGMENTS):
         segment._drop_inherited_locks()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=lambda: _dir_lock_fds_lock.acquire(), after_in_parent=lambda: _dir_lock_fds_lock.release(),
+                    after_in_child=_after_fork_in_child)
 
 
 class Segment:
@@ -533,10 +561,13 @@ def unlink_segment(name: str) -> None:
         os.unlink(segment_path(name))
 
 
-def unlink_segments(prefix: str) -> int:
-    """Remove every segment whose name starts with ``prefix``; return how many were removed."""
+def unlink_segments(prefix: str, keep: tuple[str, ...] = ()) -> int:
+    """Remove every segment whose name starts with ``prefix`` but with none of ``keep``; return how many
+    were removed."""
     removed = 0
     for path in glob.glob(segment_path(glob.escape(prefix) + "*")):
+        if os.path.basename(path).startswith(keep):
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed += 1

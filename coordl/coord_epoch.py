@@ -4,14 +4,15 @@ NOTE [ Producer and consumer ]
 A producer thread pulls this job's share from its own loader (torch's iterator over the job's workers,
 or the job's DALI pipeline), publishes each batch into the group's staging area (one copy into shared
 memory, or none where the workers wrote the batch into a segment of its own, which is renamed:
-``staging_collate`` NOTE [ Written batches ]) and then hands it to this job's consumer without a copy.
-Batches taken over from a failed member are prepared in the producer thread itself. The consumer (the
-training loop's ``next()``) walks the plan in order: its own batches come from the producer, the others'
-are mapped copy-on-write from the staging area (or copied into pinned memory). A private mapping
-outlives the segment's name, so the slot is freed as soon as every member has mapped it, and a member's
-writes to its batch stay its own. A batch is handed over only once published, so no member runs ahead of
-the staging window. The consumer takes another's batch only after confirming under the lock that its
-ring row still holds it (NOTE [ Ring rows ] in _group_state); a stale poll is polled again.
+``staging_collate`` NOTE [ Written batches ]) and then hands it to this job's consumer (its large
+tensors mapped from the segment, or torch's own) without a copy. Batches taken over from a failed member
+are prepared in the producer thread itself. The consumer (the training loop's ``next()``) walks the plan
+in order: its own batches come from the producer, the others' are mapped copy-on-write from the staging
+area (or copied into pinned memory). A private mapping outlives the segment's name, so the slot is freed
+as soon as every member has mapped it, and a member's writes to its batch stay its own. A batch is
+handed over only once published, so no member runs ahead of the staging window. The consumer takes
+another's batch only after confirming under the lock that its ring row still holds it
+(NOTE [ Ring rows ] in _group_state); a stale poll is polled again.
 
 NOTE [ Own batches ahead ]
 The staging window bounds what a member stages for the others, but not what its producer holds for its
@@ -120,7 +121,7 @@ class _Producer:
                 self.error = e
                 self.cond.notify_all()
         finally:
-            self.share = None  # lets torch's iterator (and its workers) go
+            self.share = None  # torch's iterator: its workers go with it, or the feed stops them (GroupFeed)
             for batches in self.takeovers:
                 close = getattr(batches, "close", None)
                 if close is not None:

@@ -266,6 +266,7 @@ class HPGroup:
         try:
             with self._locked() as state:
                 state.reap(self._live())
+                state.remove_strays()
                 upcoming = state.arrive(self._slot)
             return self._wait_for_epoch(upcoming)
         except BaseException as e:

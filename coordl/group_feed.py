@@ -96,7 +96,8 @@ class GroupFeed:
         self.ledger = None
         self._share = _ShareSampler()
         self._share_loader = None
-        self._share_iter = None  # this epoch's iterator over the share loader
+        self._share_iter = None  # (iterator, tag) of this epoch's share loader
+        self._ended: list[tuple] = []  # (CoordinatedEpoch or None, iterator, tag) of epochs still to sweep
         self._staging = None  # the share loader's StagingCollate, if it collates with one
         self._coordinated = None
         self._plan: list[list[int]] = []
@@ -114,23 +115,33 @@ class GroupFeed:
                 **self.loader_options)
         if self._staging is not None and not self._persistent:
             self._staging.tag += 1  # the epoch's workers start (and take the collate function) in iter()
-        self._share_iter = iter(self._share_loader)
-        return self._share_iter
+        share = iter(self._share_loader)
+        self._share_iter = (share, self._staging.tag if self._staging is not None else 0)
+        return share
 
     @property
     def _persistent(self) -> bool:
         return bool(self.loader_options.get("num_workers") and self.loader_options.get("persistent_workers"))
 
-    def _sweep_share(self) -> None:
-        """Stop the ended epoch's workers (unless persistent) and remove the batches they wrote that never
-        reached this process (NOTE [ Written batches ] in staging_collate)."""
-        share, self._share_iter = self._share_iter, None
-        if share is None or self._persistent:
-            return
-        if hasattr(share, "_shutdown_workers"):
-            share._shutdown_workers()
-        if self._staging is not None:
-            unlink_segments(self._staging.tag_prefix())
+    def _retire(self, coordinated: CoordinatedEpoch | None) -> None:
+        """Retire this epoch's share iterator (``coordinated`` ran it, if not None), then sweep every retired
+        one whose producer has ended: stop its workers and remove the batches they wrote that never reached
+        this process (NOTE [ Written batches ] in staging_collate). One whose producer outlived its join is
+        swept at a later call. Persistent workers are kept, and what they wrote is drained by torch."""
+        if self._share_iter is not None and not self._persistent:
+            self._ended.append((coordinated, *self._share_iter))
+        self._share_iter = None
+        running = []
+        for ended in self._ended:
+            coordinated, share, tag = ended
+            if coordinated is not None and coordinated.producer_running:
+                running.append(ended)
+                continue
+            if hasattr(share, "_shutdown_workers"):
+                share._shutdown_workers()
+            if self._staging is not None:
+                unlink_segments(self._staging.tag_prefix(tag))
+        self._ended = running
 
     def begin(self, batches) -> list[list[int]]:
         """Wait for the group's next epoch and start producing this job's share; the group's plan (torch's
@@ -155,6 +166,7 @@ class GroupFeed:
                                                  self.counters, ahead=self.ahead)
         except BaseException:
             self.group.leave_epoch()  # the others take over this job's share
+            self._retire(None)  # no producer ran the share iterator, if it was made
             raise
         self._plan, self._next = plan, 0
         return plan
@@ -191,9 +203,8 @@ class GroupFeed:
         if coordinated is None:
             return
         coordinated.close()
-        if not coordinated.producer_running:
-            self._sweep_share()
-        elif self.dali is not None:
+        self._retire(coordinated)
+        if coordinated.producer_running and self.dali is not None:
             # Still inside its pipeline past the join timeout: leave that pipeline to it, use a new one.
             self.dali = self.dali.twin()
 

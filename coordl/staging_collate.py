@@ -17,18 +17,23 @@ the writing process and a counter. Where each goes:
   * received but not adopted (an epoch left early, a batch no longer this member's, torch draining a
     persistent worker's results at the next epoch): unlinked when its :class:`WrittenBatch` is garbage;
   * never received (workers shut down with results in torch's queue): removed by the feed's sweep of
-    the iterator's tag once its workers are gone (``GroupFeed``);
-  * whatever is left of a member's: removed when it leaves the group or is reaped dead
-    (``_group_state``), and in any case with the group's staged segments when its last member leaves.
+    the epoch's tag once the epoch's producer has ended and its workers are stopped (``GroupFeed``);
+  * whatever is left of a member's: removed when it leaves the group or is reaped dead, and what a dead
+    member's orphaned workers write after that at the next epoch's start (``_group_state``); in any case
+    with the group's staged segments when its last member leaves.
+
+A member's own batches are read back from the segment like the others': plain tensors (a sample's tensor
+subclass, or its autograd history, is not kept), as every member's were before for the others' batches.
 """
 
 import functools
+import itertools
 import os
 import weakref
 
 import torch
 import torch.utils.data
-from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate, default_collate_fn_map
 
 from coordl import _batch_codec
 from coordl._shm import create_unlocked, shm_dir, unlink_segment
@@ -58,9 +63,11 @@ class WrittenBatch:
 
 def _stack_later(batch, *, collate_fn_map=None):
     """torch's tensor collation, with plain CPU tensors left as a :class:`~coordl._batch_codec.Stack` for
-    :func:`~coordl._batch_codec.write` to stack in place (others collated by torch)."""
+    :func:`~coordl._batch_codec.write` to stack in place (others, and tensors that require grad, collated
+    by torch, as torch collates them there)."""
     elem = batch[0]
-    if type(elem) is not torch.Tensor or elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested:
+    if type(elem) is not torch.Tensor or elem.device.type != "cpu" or elem.layout != torch.strided or \
+            elem.is_nested or any(t.requires_grad for t in batch):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     # torch stacks into its worker's shared memory as the first tensor's dtype, elsewhere as their common one
     dtype = elem.dtype if torch.utils.data.get_worker_info() is not None else \
@@ -68,12 +75,13 @@ def _stack_later(batch, *, collate_fn_map=None):
     return _batch_codec.Stack(list(batch), dtype)
 
 
-_STACK_LATER = {**default_collate_fn_map, torch.Tensor: _stack_later}
-
-
 class StagingCollate:
     """``collate_fn`` of a member's share loader: ``default_collate``'s batch, written into a new segment
     named ``prefix`` + tag, pid and count (NOTE [ Written batches ]); returns its :class:`WrittenBatch`.
+
+    Collation is ``default_collate``'s as it stands at each call, entries added to torch's
+    ``default_collate_fn_map`` included; where the entry for tensors is not torch's own, the batch is
+    ``default_collate``'s, returned as is (the producer then copies it into the staging area).
 
     Args:
         prefix: this member's written-segment prefix (``HPGroup.written_prefix``).
@@ -81,16 +89,26 @@ class StagingCollate:
     """
 
     def __init__(self, prefix: str, group: str):
-        self.prefix, self.group, self.tag, self._count = prefix, group, 0, 0
+        self.prefix, self.group, self.tag = prefix, group, 0
+        self._count = itertools.count(1)
+
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix, "group": self.group, "tag": self.tag}  # a new process counts afresh
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"], state["group"])
+        self.tag = state["tag"]
 
     def tag_prefix(self, tag: int | None = None) -> str:
         """The prefix of the segments written under ``tag`` (the current one by default)."""
         return f"{self.prefix}{self.tag if tag is None else tag:x}-"
 
-    def __call__(self, samples) -> WrittenBatch:
-        encoded = _batch_codec.encode(collate(samples, collate_fn_map=_STACK_LATER))
-        self._count += 1
-        name = f"{self.tag_prefix()}{os.getpid():x}-{self._count:x}"
+    def __call__(self, samples):
+        if default_collate_fn_map.get(torch.Tensor) is not collate_tensor_fn:
+            return default_collate(samples)
+        encoded = _batch_codec.encode(collate(samples, collate_fn_map={**default_collate_fn_map,
+                                                                       torch.Tensor: _stack_later}))
+        name = f"{self.tag_prefix()}{os.getpid():x}-{next(self._count):x}"
         segment = create_unlocked(name, max(encoded.nbytes, 1), self._full)
         if segment is None:
             raise StagingError(f"internal error: written batch segment {name} already exists")
@@ -106,5 +124,6 @@ class StagingCollate:
     def _full(self, size: int, free: int) -> ShmCapacityError:
         return ShmCapacityError(
             f"{shm_dir()} is full: cannot write a batch of {format_bytes(size)} for hp_group {self.group!r} "
-            f"({format_bytes(free)} free). Pass a smaller hp_staging_bytes= or batch_size, free it "
-            f"(`coordl cache ls`, `coordl group ls`), or enlarge it (docker: --shm-size).")
+            f"({format_bytes(free)} free; the batches in flight are num_workers × prefetch_factor). Pass a "
+            f"smaller hp_staging_bytes=, prefetch_factor or batch_size, free it (`coordl cache ls`, `coordl group "
+            f"ls`), or enlarge it (docker: --shm-size).")

@@ -137,6 +137,41 @@ def test_a_process_killed_holding_the_locks_after_forking_leaves_them_to_nobody(
         _kill(child)
 
 
+def test_a_fork_while_another_thread_creates_a_segment_can_create_its_own():
+    """A child forked while a thread holds the shm directory's lock (a producer creating a segment while
+    the next epoch's workers fork) must not keep that lock: it waits for the parent's creation only."""
+    entered, release = threading.Event(), threading.Event()
+
+    def create_slowly():
+        with _shm._DirLock():
+            entered.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=create_slowly)
+    holder.start()
+    assert entered.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: create a segment, as a worker writing a batch does
+        code = 1
+        try:
+            segment = _shm.create_unlocked(_name(), 4096, lambda size, free: RuntimeError("full"))
+            segment.unlink()
+            segment.close()
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 10
+    while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waited forever for the lock its parent had released")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status[1]) == 0
+
+
 def test_a_creator_killed_mid_creation_leaves_no_half_made_segment(tmp_path, monkeypatch):
     name = _name()
     proc = _procs.spawn(_shm_procs.create_then_die_mid_creation, name)

@@ -364,3 +364,19 @@ def test_a_member_gone_takes_the_batches_it_wrote_but_never_staged_along(unlinke
                                                    for n in (earlier_in_slot_0, written[2]))
     for name in (earlier_in_slot_0, written[2]):
         os.unlink(segment_path(name))
+
+
+def test_batches_written_for_members_no_longer_in_the_group_are_strays(unlinked):
+    """A dead member's orphaned worker may write a batch after the member was reaped; the next epoch's start
+    removes it, and nothing of a member still in the group."""
+    state = _group(4, 2)
+    for slot, joined in enumerate((7, 8)):
+        state.members[slot, _M_JOINED_NS] = joined
+    kept = [f"{state.written_prefix(0)}1-a-1", f"{state.written_prefix(1)}3-b-2", f"{state.prefix}5"]  # and staged
+    strays = [f"{state.prefix}w0-6-1-a-1", f"{state.prefix}w2-9-1-c-1"]  # slot 0's earlier member; a dead slot 2
+    for name in kept + strays:
+        open(segment_path(name), "w").close()
+    state.remove_strays()
+    assert sorted(os.listdir(shm_dir())) == sorted(os.path.basename(segment_path(n)) for n in kept)
+    for name in kept:
+        os.unlink(segment_path(name))

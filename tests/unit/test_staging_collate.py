@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from coordl import _batch_codec, _shm
 from coordl._shm import open_unlocked, segment_path, shm_dir
 from coordl.exceptions import ShmCapacityError
+from coordl.group_feed import GroupFeed
 from coordl.staging_collate import StagingCollate, WrittenBatch
 
 PREFIX = "cdl_0123456789ab_sw0-1f-"
@@ -28,6 +30,7 @@ SAMPLES = {
     # int64 collated here, int32 in a worker (stacked as the first sample)
     "mixed integer widths": [torch.tensor([1, 2], dtype=torch.int32), torch.tensor([3, 4])],
     "one large tensor": [torch.rand(3, 64, 64) for _ in range(80)],  # 3.75 MiB: mapped, not copied, on read
+    "requiring grad": [torch.rand(3, requires_grad=True) for _ in range(2)],  # collated by torch, then staged
 }
 
 
@@ -130,10 +133,44 @@ def test_each_tag_names_its_own_segments():
     assert os.path.exists(segment_path(second.name))
 
 
-def test_samples_that_do_not_stack_raise_torchs_error_and_leave_nothing():
+@pytest.mark.parametrize("samples", [[torch.zeros(2, 3), torch.zeros(3, 3)], [torch.zeros(0), torch.zeros(3)]],
+                         ids=["unequal", "an empty first"])
+def test_samples_that_do_not_stack_raise_torchs_error_and_leave_nothing(samples):
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
-        StagingCollate(PREFIX, "g")([torch.zeros(2, 3), torch.zeros(3, 3)])
+        torch.utils.data.default_collate(samples)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        StagingCollate(PREFIX, "g")(samples)
     assert not os.listdir(shm_dir())
+
+
+class _Point:
+    def __init__(self, x):
+        self.x = x
+
+
+def test_collation_is_default_collates_as_extended_at_the_call(monkeypatch):
+    """Entries added to torch's map after the collate function was made count; a tensor entry of the user's
+    own gives default_collate's batch as it is (copied when staged)."""
+    collate = StagingCollate(PREFIX, "g")
+    monkeypatch.setitem(default_collate_fn_map, _Point, lambda batch, *, collate_fn_map: [p.x for p in batch])
+    samples = [(_Point(i), torch.full((2,), i)) for i in range(3)]
+    _assert_same(_read(collate(samples)), torch.utils.data.default_collate(samples))
+    gc.collect()
+    monkeypatch.setitem(default_collate_fn_map, torch.Tensor, lambda batch, *, collate_fn_map: len(batch))
+    assert collate(samples) == torch.utils.data.default_collate(samples) == [[0, 1, 2], 3]
+    assert not os.listdir(shm_dir())
+
+
+def test_a_collate_function_sent_to_a_process_keeps_its_tag_and_counts_afresh():
+    collate = StagingCollate(PREFIX, "g")
+    collate.tag = 5
+    assert collate([torch.zeros(1)]).name.endswith("-1")  # (garbage at once: unlinked)
+    copy = pickle.loads(pickle.dumps(collate))
+    assert (copy.prefix, copy.group, copy.tag) == (PREFIX, "g", 5)
+    assert copy([torch.zeros(1)]).name.endswith("-1")  # where it runs, its own pid tells the names apart
+    assert collate([torch.zeros(1)]).name.endswith("-2")
+    assert not os.listdir(shm_dir())
+
 
 
 def test_a_full_shm_directory_is_named_with_the_group(monkeypatch):
@@ -148,3 +185,62 @@ def test_what_the_codec_cannot_stage_is_refused_by_name():
     with pytest.raises(TypeError, match="collate_fn returned a Point"):
         StagingCollate(PREFIX, "g")([point(torch.zeros(2), 1), point(torch.ones(2), 2)])
     assert not os.listdir(shm_dir())
+
+class _Epoch:
+    """What GroupFeed reads of a CoordinatedEpoch when it retires one."""
+
+    def __init__(self, running: bool):
+        self.producer_running = running
+
+
+class _Share:
+    """A share iterator's worker shutdown."""
+
+    def __init__(self):
+        self.stopped = False
+
+    def _shutdown_workers(self):
+        self.stopped = True
+
+
+def _feed(**loader_options) -> GroupFeed:
+    feed = GroupFeed(None, None, batch_size=4, drop_last=False, shuffled=True, collate_fn=None,
+                     loader_options=loader_options)
+    feed._staging = StagingCollate(PREFIX, "g")
+    return feed
+
+
+def _left_in_queue(feed: GroupFeed, tag: int) -> str:
+    """A batch written under ``tag`` that never reached the producer."""
+    name = f"{feed._staging.tag_prefix(tag)}7-1"
+    open(segment_path(name), "w").close()
+    return os.path.basename(segment_path(name))
+
+
+def test_an_ended_epochs_workers_are_stopped_and_their_unreceived_batches_removed_once_its_producer_ends():
+    feed = _feed(num_workers=2)
+    stuck, first = _Epoch(running=True), _Share()  # a producer that outlived its join
+    feed._share_iter = (first, 1)
+    in_first = _left_in_queue(feed, 1)
+    feed._retire(stuck)
+    assert not first.stopped and os.listdir(shm_dir()) == [in_first]  # its producer may still receive it
+
+    second = _Share()
+    feed._share_iter = (second, 2)
+    _left_in_queue(feed, 2)
+    feed._retire(_Epoch(running=False))
+    assert second.stopped and os.listdir(shm_dir()) == [in_first]
+
+    stuck.producer_running = False
+    feed._retire(None)  # any later retirement (an epoch's end, or close)
+    assert first.stopped and not os.listdir(shm_dir())
+
+
+def test_persistent_workers_are_kept_and_left_to_torchs_drain():
+    feed = _feed(num_workers=2, persistent_workers=True)
+    share = _Share()
+    feed._share_iter = (share, 0)
+    written = _left_in_queue(feed, 0)
+    feed._retire(_Epoch(running=False))
+    assert not share.stopped and os.listdir(shm_dir()) == [written]
+    os.unlink(segment_path(written))
