@@ -133,8 +133,8 @@ class GroupFeed:
         self._share_iter = None
         running = []
         for ended in self._ended:
-            coordinated, share, tag = ended
-            if coordinated is not None and coordinated.producer_running:
+            epoch, share, tag = ended
+            if epoch is not None and epoch.producer_running:
                 running.append(ended)
                 continue
             if hasattr(share, "_shutdown_workers"):

@@ -5,15 +5,15 @@ Where a member collates with torch's ``default_collate``, its share loader colla
 :class:`StagingCollate` instead: torch's own collation (``collate`` with torch's map of collate
 functions), except that each tensor it would stack is stacked straight into a new segment laid out as
 ``_batch_codec`` stages a batch. The worker hands over a :class:`WrittenBatch` (the segment's name and
-size), and the producer stamps its batch id, links it into the staging ring under its sequence number
-and maps its own job's copy from it. The batch is thus written once, into memory allocated once; torch's
+size), and the producer stamps its batch id, renames it into the staging ring under its sequence
+number and maps its own job's copy from it. The batch is thus written once, into memory allocated once; torch's
 worker would write it into shared memory of its own, which the producer then copied into a new staging
 segment (the training processes' share of a member's CPU, measured in ``benchmarks.coordprep``).
 
 Written segments are named ``<group's staged prefix>w<slot>-<join ns>-<tag>-<pid>-<n>``: the member
 (slot and join time), the share iterator's tag (set by the feed before each epoch's workers start),
 the writing process and a counter. Where each goes:
-  * adopted: linked into the ring under its sequence number, its written name removed;
+  * adopted: renamed into the ring under its sequence number;
   * received but not adopted (an epoch left early, a batch no longer this member's, torch draining a
     persistent worker's results at the next epoch): unlinked when its :class:`WrittenBatch` is garbage;
   * never received (workers shut down with results in torch's queue): removed by the feed's sweep of

@@ -56,24 +56,32 @@ def _kill(pid: int) -> None:
 
 # -- threads ---------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _held_by_another_thread(lock):
+    """``lock`` (a context manager) held by another thread of this process until the block ends."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
 def test_the_segment_lock_excludes_threads_of_one_process():
     with MinIOCache(_name(), n_items=2, capacity_bytes=4096, fingerprint=bytes(32)) as cache:
         cache.stats()
-        segment, held, release = cache._segment, threading.Event(), threading.Event()
-
-        def hold():
-            with segment.locked():
-                held.set()
-                release.wait(10)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        held.wait(10)
-        try:
+        segment = cache._segment
+        with _held_by_another_thread(segment.locked()):
             assert not segment.lock(timeout_s=0.3)  # another thread of the holder's process is kept out
-        finally:
-            release.set()
-            holder.join()
         assert segment.lock(timeout_s=5)
         segment.unlock()
 
@@ -140,28 +148,17 @@ def test_a_process_killed_holding_the_locks_after_forking_leaves_them_to_nobody(
 def test_a_fork_while_another_thread_creates_a_segment_can_create_its_own():
     """A child forked while a thread holds the shm directory's lock (a producer creating a segment while
     the next epoch's workers fork) must not keep that lock: it waits for the parent's creation only."""
-    entered, release = threading.Event(), threading.Event()
-
-    def create_slowly():
-        with _shm._DirLock():
-            entered.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=create_slowly)
-    holder.start()
-    assert entered.wait(10)
-    pid = os.fork()
-    if pid == 0:  # the child: create a segment, as a worker writing a batch does
-        code = 1
-        try:
-            segment = _shm.create_unlocked(_name(), 4096, lambda size, free: RuntimeError("full"))
-            segment.unlink()
-            segment.close()
-            code = 0
-        finally:
-            os._exit(code)
-    release.set()
-    holder.join()
+    with _held_by_another_thread(_shm._DirLock()):
+        pid = os.fork()
+        if pid == 0:  # the child: create a segment, as a worker writing a batch does
+            code = 1
+            try:
+                segment = _shm.create_unlocked(_name(), 4096, lambda size, free: RuntimeError("full"))
+                segment.unlink()
+                segment.close()
+                code = 0
+            finally:
+                os._exit(code)
     deadline = time.monotonic() + 10
     while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
         if time.monotonic() > deadline:
