@@ -5,8 +5,8 @@ Where a member collates with torch's ``default_collate``, its share loader colla
 :class:`StagingCollate` instead: torch's own collation (``collate`` with torch's map of collate
 functions), except that each tensor it would stack is stacked straight into a new segment laid out as
 ``_batch_codec`` stages a batch. The worker hands over a :class:`WrittenBatch` (the segment's name and
-size), and the producer stamps its batch id, renames it into the staging ring under its sequence
-number and maps its own job's copy from it. The batch is thus written once, into memory allocated once; torch's
+size), and the producer stamps its batch id, renames it into the staging ring under its sequence number
+and maps its own job's copy from it. The batch is thus written once, into memory allocated once; torch's
 worker would write it into shared memory of its own, which the producer then copied into a new staging
 segment (the training processes' share of a member's CPU, measured in ``benchmarks.coordprep``).
 
@@ -56,7 +56,7 @@ class WrittenBatch:
         return WrittenBatch, (self.name, self.nbytes)
 
     def adopted(self) -> None:
-        """The segment was linked under another name (its written name removed): nothing to discard."""
+        """The segment was renamed (into the staging ring): nothing to discard."""
         if self._discard is not None:
             self._discard.detach()
 
