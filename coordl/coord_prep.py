@@ -90,6 +90,10 @@ class EpochTicket:
     seed: int
 
 
+def _staged_exists(name: str) -> StagingError:
+    return StagingError(f"internal error: staged batch segment {name} already exists")
+
+
 def _forget_member(name: str, slot: int, pid: int, buf) -> None:
     """Unregister member ``slot`` if ``pid`` still has it, failing its running epoch (the mutex is held)."""
     state = GroupState(types.SimpleNamespace(buf=buf, name=name))
@@ -375,7 +379,7 @@ class HPGroup:
             f"({format_bytes(free)} free). Pass a smaller hp_staging_bytes=, free it "
             f"(`coordl cache ls`, `coordl group ls`), or enlarge it (docker: --shm-size)."))
         if segment is None:
-            raise StagingError(f"internal error: staged batch segment {name} already exists")
+            raise _staged_exists(name)
         return segment
 
     @property
@@ -399,8 +403,7 @@ class HPGroup:
         try:
             rename_segment(name, staged_name(self.name, seq))
         except FileExistsError:
-            raise StagingError(f"internal error: staged batch segment {staged_name(self.name, seq)} already "
-                               f"exists") from None
+            raise _staged_exists(staged_name(self.name, seq)) from None
         except FileNotFoundError:
             raise self._written_gone(name) from None
 
