@@ -11,6 +11,15 @@ epoch's start, plan and end, reported to the loader's ``epochs`` (an :class:`~co
 The pass starts on its first ``next()``, not at ``iter()``: torch draws its base seed in between, so
 a plan drawn later uses the generator exactly as torch's own iterator would.
 
+NOTE [ Planning ahead ]
+A feed that prepares batches ahead (the DALI pipeline, see ``dali_pipeline._Feeder``) may start on the next
+pass before it exists: :meth:`EpochBatchSampler.plan_ahead` draws the plan that pass would draw if nothing
+draws from its generators (or the global RNG) first. It repeats, on copies of the random state, what comes
+before the draw (torch's iterator drawing its base seed from the loader's ``generator``, a
+``DistributedSampler``'s ``set_epoch`` with the step it took last) and restores every generator after. Only
+torch's own samplers, whose draws depend on nothing else, are drawn ahead. It is a guess the feed checks: the
+pass draws its plan as ever, and a feed whose guess differs drops what it prepared.
+
 The batch sampler is also where a loader's position is checkpointed (``state_dict``/``load_state_dict``,
 see NOTE [ Resuming a pass ] in ``resume_state``), so torchdata's ``StatefulDataLoader`` (and Accelerate's
 ``use_stateful_dataloader``), which save and restore a ``Stateful`` batch sampler, resume it too.
@@ -20,15 +29,26 @@ import warnings
 import weakref
 
 import torch.utils.data
+import torch.utils.data.distributed
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from coordl import resume_state
 from coordl.analyzer import phases as analyzer_phases
 
+_DRAWN_AHEAD = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
+                torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
+                torch.utils.data.distributed.DistributedSampler)
+"""Samplers whose passes depend only on their random state and epoch: those :meth:`plan_ahead` draws."""
+
 
 class _PassCheckpoints:
     """``state_dict``/``load_state_dict`` of a sampler whose passes are epochs: the position of its latest
-    pass (see NOTE [ Resuming a pass ] in ``resume_state``). Needs ``rng_sources()``, ``latest``, ``_resume``."""
+    pass (see NOTE [ Resuming a pass ] in ``resume_state``), and the epochs its passes drew at. Needs
+    ``rng_sources()``, ``latest``, ``_resume``, ``_drawn_epochs``."""
+
+    def drew(self, rng: dict) -> None:
+        """A pass drew its plan from ``rng``: keep the epoch-seeded samplers' epochs of the last two draws."""
+        self._drawn_epochs = (self._drawn_epochs + [rng["epochs"]])[-2:]
 
     def state_dict(self) -> dict:
         """Where the latest pass is, counting the batches it handed torch as consumed: right when torch's
@@ -131,6 +151,7 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
         self.generator = generator
         self.latest: EpochPass | None = None
         self._resume: dict | None = None
+        self._drawn_epochs: list[list[int]] = []
 
     def plain_batches(self):
         """This pass's batches as torch would draw them (lists of indices). Drawn through a plain
@@ -140,6 +161,28 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
         batches = self.batches if self.batches is not None else \
             torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
         return (list(batch) for batch in batches)
+
+    def plan_ahead(self) -> list[list[int]] | None:
+        """The next pass's plan if nothing draws from its random state first, or None where it cannot be
+        drawn ahead (see NOTE [ Planning ahead ]). Every generator, the global RNG and the samplers' epochs
+        are left as they were."""
+        if self.batches is not None or type(self.sampler) not in _DRAWN_AHEAD or \
+                (self.generator is not None and self.generator.device.type != "cpu"):
+            return None
+        sources = self.rng_sources()
+        state = sources.capture(with_global=False)
+        epochs = state["epochs"]
+        if len(self._drawn_epochs) == 2:  # the step set_epoch took between the last two passes
+            epochs = [e + (e - before) for e, before in zip(*reversed(self._drawn_epochs))]
+        elif epochs:
+            epochs = [e + 1 for e in epochs]
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # torch's base seed at iter()
+                sources.set_epochs(epochs)
+                return list(self.plain_batches())
+        finally:
+            sources.restore(state, what="plan_ahead")
 
     def __iter__(self):
         if self.epochs is None:
@@ -169,6 +212,7 @@ class EpochSampler(_PassCheckpoints, torch.utils.data.Sampler):
         self.sampler, self.epochs, self.generator = sampler, epochs, generator
         self.latest: EpochPass | None = None
         self._resume: dict | None = None
+        self._drawn_epochs: list[list[int]] = []
 
     def plain_batches(self):
         return iter(self.sampler)
@@ -223,8 +267,10 @@ class EpochPass:
         sampler, saved = self.sampler, self.pending
         if saved is None:
             self.rng = sampler.rng_sources().capture(with_global=True)
+            sampler.drew(self.rng)
             return sampler.plain_batches()
         self.rng = saved["rng"]
+        sampler.drew(self.rng)
         plan = resume_state.replay(sampler.rng_sources(), self.rng, sampler.plain_batches)
         torch.set_rng_state(self._global_before)  # undo the base seed torch drew for this pass: the saved run drew it
         return plan[self.skipped:]

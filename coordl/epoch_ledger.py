@@ -11,8 +11,10 @@ With the DALI backend or in an hp_group, batches are not made by torch's fetcher
 process. At the start of a pass the feed gets torch's plan (and may replace it: a group's plan is the
 group's); the dataset proxy's ``__getitems__(indices)`` then takes the feed's next batch, checks it is
 the one planned, and hands it to torch wrapped in :class:`~coordl.cached_dataset.PreparedBatch`, which
-the loader's collate function unwraps. A feed protocol: ``begin(batches) -> plan``, ``take(indices)``,
-``end(complete)``, ``counters`` (a ``GroupCounters`` or None), ``stats()`` (group state or None), ``close()``.
+the loader's collate function unwraps. A feed protocol: ``begin(batches, ahead) -> plan`` (``ahead``: a
+function returning the next pass's plan drawn ahead, or None; see NOTE [ Planning ahead ] in
+``batch_sampler``), ``take(indices)``, ``end(complete)``, ``counters`` (a ``GroupCounters`` or None),
+``stats()`` (group state or None), ``close()``.
 """
 
 import logging
@@ -42,6 +44,20 @@ class _Running:
     def owner(self):
         """The pass this epoch belongs to, or None once it is gone."""
         return self._owner()
+
+
+def _plan_ahead(owner):
+    """A function drawing the plan of the pass after ``owner``'s, or None (held weakly: the feed that keeps
+    it is the sampler's, through this ledger)."""
+    method = getattr(owner.sampler, "plan_ahead", None)
+    if method is None:
+        return None
+    ref = weakref.WeakMethod(method)
+
+    def plan_ahead():
+        method = ref()
+        return method() if method is not None else None
+    return plan_ahead
 
 
 class EpochLedger:
@@ -82,7 +98,7 @@ class EpochLedger:
         plan = batches
         if self.feed is not None:
             started = time.perf_counter()
-            plan = self.feed.begin(batches)
+            plan = self.feed.begin(batches, _plan_ahead(owner))
             epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
         self.current = _Running(epoch, owner, counters, start, self.feed.counters if self.feed is not None else None)
         return plan

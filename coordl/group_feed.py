@@ -143,9 +143,9 @@ class GroupFeed:
                 unlink_segments(self._staging.tag_prefix(tag))
         self._ended = running
 
-    def begin(self, batches) -> list[list[int]]:
+    def begin(self, batches, ahead=None) -> list[list[int]]:
         """Wait for the group's next epoch and start producing this job's share; the group's plan (torch's
-        ``batches`` are not drawn: the group's seed decides the order)."""
+        ``batches`` are not drawn: the group's seed decides the order, so nothing is planned ``ahead``)."""
         self.end(complete=False)
         ticket = self.group.start_epoch()
         try:

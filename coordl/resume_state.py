@@ -69,7 +69,11 @@ class RngSources:
         self.check(state, what=what)
         for generator, saved in zip(_generators(*self.parts), state["generators"]):
             generator.set_state(saved)
-        for holder, epoch in zip(_epoch_holders(*self.parts), state["epochs"]):
+        self.set_epochs(state["epochs"])
+
+    def set_epochs(self, epochs: list[int]) -> None:
+        """``set_epoch`` each epoch-seeded sampler to its entry of ``epochs``."""
+        for holder, epoch in zip(_epoch_holders(*self.parts), epochs):
             holder.set_epoch(epoch)
 
 

@@ -179,6 +179,98 @@ def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
         assert [e.complete for e in loader.stats().epochs] == [False, True]
 
 
+def _ordered_epochs(loader, n: int, between=lambda epoch: None) -> list[list[int]]:
+    orders = []
+    for epoch in range(n):
+        between(epoch)
+        orders.append(torch.cat([labels for _, labels in loader]).tolist())
+    return orders
+
+
+AHEAD = {  # loader options, and what the training loop does before each epoch
+    "generator": (lambda ds: dict(shuffle=True, generator=torch.Generator().manual_seed(5)), lambda e: None),
+    "global RNG": (lambda ds: dict(shuffle=True), lambda e: None),
+    "set_epoch": (lambda ds: dict(sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=3)),
+                  lambda e: None),
+    "global draws between epochs": (lambda ds: dict(shuffle=True), lambda e: torch.rand(3)),
+}
+
+
+@pytest.mark.parametrize("setting", list(AHEAD))
+def test_the_pipeline_runs_on_into_the_next_epochs_plan_drawn_ahead(image_root, setting):
+    """Each epoch after the first starts on batches fed to DALI during the one before, where its plan was drawn
+    right: every epoch is still torch's plan, each sample once, counted in its own epoch. A training loop drawing
+    from the global RNG between epochs changes the plan; what was fed ahead is dropped."""
+    dataset, (options, between) = _indexed(image_root), AHEAD[setting]
+    sampler_options = options(dataset)
+    sampler = sampler_options.get("sampler")
+    set_epoch = (lambda e: (between(e), sampler.set_epoch(e))) if sampler is not None else between
+    torch.manual_seed(11)
+    with coordl.DataLoader(dataset, batch_size=10, num_workers=2, backend="dali", cache_bytes="auto",
+                           **sampler_options) as loader:
+        orders = _ordered_epochs(loader, 4, set_epoch)
+        ahead, epochs = loader.epoch_ledger.feed.backend.ahead, loader.stats().epochs
+    reference_options = options(range(len(dataset)))
+    torch.manual_seed(11)
+    reference = tud.DataLoader(range(len(dataset)), batch_size=10, **reference_options)
+    sampler = reference_options.get("sampler")
+    expected = _ordered_epochs(_Pairs(reference), 4,
+                               (lambda e: (between(e), sampler.set_epoch(e))) if sampler is not None else between)
+    assert orders == expected
+    per_epoch = len(expected[0])
+    for order in orders:
+        assert len(set(order)) == per_epoch
+    drawn_right = setting != "global draws between epochs"
+    assert ahead == {"taken": 3 if drawn_right else 0, "dropped": 0 if drawn_right else 3}
+    assert [e.samples for e in epochs] == [per_epoch] * 4 and all(e.complete for e in epochs)
+    dropped_reads = [e.hits + e.misses - e.samples for e in epochs]  # the batches fed ahead and dropped
+    assert dropped_reads[0] == 0 and all(r == 0 if drawn_right else r in (10, 20) for r in dropped_reads[1:])
+
+
+class _Pairs:
+    """A plain DataLoader of indices as (images, labels) batches, labels the indices."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return ((None, batch) for batch in self.loader)
+
+
+def test_an_epoch_left_after_its_plan_ahead_was_fed_does_not_leak_into_the_next(image_root):
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=10, shuffle=True, backend="dali", cache_bytes=0,
+                           generator=torch.Generator().manual_seed(2)) as loader:
+        it = iter(loader)
+        for _ in range(len(loader) - 1):  # all but the last: the next plan was drawn and fed
+            next(it)
+        assert loader.epoch_ledger.feed.backend._feeder.goes_on
+        order = torch.cat([labels for _, labels in loader]).tolist()
+        ahead = dict(loader.epoch_ledger.feed.backend.ahead)
+        assert [e.complete for e in loader.stats().epochs] == [False, True]
+    assert sorted(order) == list(range(len(dataset)))
+    assert ahead == {"taken": 0, "dropped": 0}  # the pipeline of the epoch left was dropped whole
+
+
+def test_a_file_of_the_plan_ahead_that_fails_fails_in_its_own_epoch(fresh_image_root):
+    """A file lost after its last read in one epoch, in the first batch of the next: that epoch's plan, fetched
+    ahead during this one, fails to fetch there; this epoch ends as it should, and the next one names the file."""
+    dataset = _indexed(fresh_image_root)
+    with coordl.DataLoader(dataset, batch_size=6, shuffle=True, backend="dali", cache_bytes=0,
+                           generator=torch.Generator().manual_seed(4)) as loader:
+        list(loader)
+        it = iter(loader)
+        first = torch.cat([next(it)[1] for _ in range(3)]).tolist()  # fetched: the next plan is not drawn yet
+        following = loader.batch_sampler.plan_ahead()[0]
+        victim = next(i for i in following if i in first)  # read in this epoch already, not again in it
+        os.remove(dataset.files[victim])
+        rest = [labels for _, labels in it]
+        assert sorted(first + torch.cat(rest).tolist()) == list(range(len(dataset)))
+        with pytest.raises(coordl.SampleError, match=f"sample {victim} \\({dataset.files[victim]}"):
+            list(loader)
+        assert loader.epoch_ledger.feed.backend.ahead == {"taken": 1, "dropped": 1}
+
+
 def _fetch_threads(before=frozenset()) -> set:
     return {t for t in threading.enumerate() if t.name.startswith("coordl-fetch")} - before
 

@@ -1,6 +1,7 @@
 """The DALI feed's fetching ahead (``_Feeder``, which wraps samples in DALI's tensor type), on a pool that
 runs each fetch only when its batch is asked for: an epoch starts with a few batches in flight and adds one
-more per batch taken, up to its depth, every batch in plan order."""
+more per batch taken, up to its depth, every batch in plan order; where the next plan can be drawn ahead,
+it goes on into that plan, whose counts are the next epoch's, taken over or dropped when that epoch starts."""
 
 import concurrent.futures
 import types
@@ -23,17 +24,50 @@ class _LazyPool:
         class Lazy(concurrent.futures.Future):
             def result(self, timeout=None):
                 if not self.done():
-                    self.set_result(fn(*args))
+                    try:
+                        self.set_result(fn(*args))
+                    except Exception as e:
+                        self.set_exception(e)
                 return super().result()
+
+            def cancel(self):  # as an executor's thread does with a fetch cancelled before it ran
+                return super().cancel() and not self.set_running_or_notify_cancel()
 
         self.submitted.append(args[-1])
         return Lazy()
 
 
-def _cached(n: int):
+SAMPLES, HITS = COUNTER_FIELDS.index("samples"), COUNTER_FIELDS.index("hits")
+
+
+def _cached(n: int, failing=()):
+    """Sample i is 3 bytes of i, each fetch a hit; fetching one of ``failing`` raises."""
     counters = types.SimpleNamespace(table=torch.zeros((1, len(COUNTER_FIELDS)), dtype=torch.int64))
-    return types.SimpleNamespace(counters=counters,
-                                 fetch_many=lambda indices, row, views: [bytes([i]) * 3 for i in indices])
+
+    def fetch_many(indices, row, views):
+        if set(indices) & set(failing):
+            raise OSError(f"cannot read {sorted(set(indices) & set(failing))}")
+        row[HITS] += len(indices)
+        return [bytes([i]) * 3 for i in indices]
+    return types.SimpleNamespace(counters=counters, fetch_many=fetch_many)
+
+
+def _labels(fed) -> list[int]:
+    return fed[1].tolist()
+
+
+def _feed(feeder, k: int) -> list[list[int]]:
+    """Feed ``k`` batches, each taken out of DALI (off ``in_flight``) one batch behind, as DALI's queue does."""
+    fed = []
+    for _ in range(k):
+        fed.append(_labels(feeder()))
+        if len(feeder.in_flight) > 1:
+            feeder.in_flight.popleft()
+    return fed
+
+
+def _counted(cached, field: int) -> int:
+    return int(cached.counters.table[0, field])
 
 
 @pytest.mark.parametrize("depth", [1, 4, 32])
@@ -53,3 +87,80 @@ def test_an_epoch_starts_with_a_few_batches_in_flight_and_ramps_up_to_its_depth(
         in_flight = len(pool.submitted) - len(fed)
         assert in_flight <= depth and in_flight == min(FETCH_RAMP + len(fed), depth, len(batches) - len(fed))
     assert fed == batches and pool.submitted == batches  # each batch fetched once, in plan order
+
+
+def _plans(n: int, offset: int) -> list[list[int]]:
+    return [[offset + 2 * k, offset + 2 * k + 1] for k in range(n)]
+
+
+class _Ahead:
+    """A plan drawn ahead; records how many of the epoch's batches were fed when it was drawn."""
+
+    def __init__(self, feeder_of, plan):
+        self.feeder_of, self.plan, self.drawn_at = feeder_of, plan, []
+
+    def __call__(self):
+        self.drawn_at.append(self.feeder_of()._fed)
+        if isinstance(self.plan, Exception):
+            raise self.plan
+        return self.plan
+
+
+def _feeder(batches, ahead_plan, failing=(), depth=4):
+    cached, holder = _cached(64, failing), {}
+    ahead = _Ahead(lambda: holder["feeder"], ahead_plan)
+    holder["feeder"] = _Feeder(cached, lambda i: (np.int64(i),), batches, _LazyPool(), depth, ahead)
+    return holder["feeder"], ahead, cached
+
+
+def test_the_plan_ahead_is_drawn_with_the_ramp_left_and_fed_after_the_epoch_counted_as_the_next():
+    this, following = _plans(6, 0), _plans(5, 20)
+    feeder, ahead, cached = _feeder(this, following)
+    assert _feed(feeder, 7) == this + following[:1]  # DALI has the epoch's last output out and the next queued
+    assert ahead.drawn_at == [len(this) - FETCH_RAMP] and feeder.goes_on
+    assert [indices for indices, _ in feeder.in_flight] == following[:1]
+    assert _counted(cached, SAMPLES) == 12 and _counted(cached, HITS) == 12  # the one fed ahead is held back
+
+    assert feeder.take_over(following, None)
+    assert _counted(cached, SAMPLES) == 14 and _counted(cached, HITS) == 14
+    assert _feed(feeder, 4) == following[1:]
+    assert not feeder.goes_on
+    with pytest.raises(StopIteration):
+        feeder()
+    assert _counted(cached, SAMPLES) == 22
+
+
+def test_another_plan_drops_what_was_fed_ahead_and_counts_its_reads_without_samples():
+    this, following, actual = _plans(4, 0), _plans(4, 20), _plans(3, 40)
+    feeder, _, cached = _feeder(this, following)
+    assert _feed(feeder, 5) == this + following[:1]
+    assert not feeder.take_over(actual, None)
+    assert feeder.replan(actual, None) == 1  # the one fed ahead: DALI outputs it first, to be dropped
+    feeder.in_flight.popleft()
+    assert _counted(cached, SAMPLES) == 8 and _counted(cached, HITS) == 10
+    assert _feed(feeder, 3) == actual
+    with pytest.raises(StopIteration):
+        feeder()
+    assert _counted(cached, SAMPLES) == 14 and _counted(cached, HITS) == 16
+
+
+def test_a_batch_ahead_that_fails_to_fetch_is_fed_as_the_one_before_and_not_taken_over():
+    this, following = _plans(3, 0), _plans(3, 20)
+    feeder, _, cached = _feeder(this, following, failing=(following[0][1],))
+    fed = [feeder() for _ in range(5)]
+    assert [_labels(f) for f in fed[:3]] == this
+    assert fed[3] is fed[2] and _labels(fed[4]) == following[1]  # in place of following[0], this epoch's last
+    assert not feeder.take_over(following, None)
+    with pytest.raises(OSError, match="cannot read"):
+        feeder.replan(following, None)
+        feeder()  # the plan's own batch fails in its own epoch
+
+
+@pytest.mark.parametrize("plan", [None, [], RuntimeError("no plan")], ids=["none", "empty", "fails"])
+def test_without_a_plan_ahead_the_feed_ends_with_the_epoch(plan):
+    this = _plans(5, 0)
+    feeder, ahead, _ = _feeder(this, plan)
+    assert _feed(feeder, 5) == this
+    assert ahead.drawn_at == [len(this) - FETCH_RAMP] and not feeder.goes_on
+    with pytest.raises(StopIteration):
+        feeder()
