@@ -161,9 +161,17 @@ def measure(system: str, step: Step, root: str, args, trial: int) -> list[dict]:
             row = run_epoch(batches, step, drain_before=epoch <= 2 or args.drain_each_epoch,
                             drain_after=epoch in (1, args.epochs) or args.drain_each_epoch)
             rows.append({"system": system, "step": step.kind, "trial": trial, "epoch": epoch, **row,
-                         "samples_per_s": row["samples"] / row["time_s"]})
+                         "samples_per_s": row["samples"] / row["time_s"], **_planned_ahead(loader)})
     _release(loader)
     return rows
+
+
+def _planned_ahead(loader) -> dict:
+    """coordl-dali: how many epochs so far started on batches its pipeline ran on into, their plan drawn
+    ahead (``ahead_taken``), and how many on another plan (``ahead_dropped``); else nothing."""
+    feed = getattr(getattr(loader, "epoch_ledger", None), "feed", None)
+    ahead = getattr(getattr(feed, "backend", None), "ahead", None)
+    return {f"ahead_{k}": v for k, v in ahead.items()} if ahead is not None else {}
 
 
 def _release(loader) -> None:
@@ -311,6 +319,8 @@ def main(argv=None) -> int:
                         help="also run coordl analyze on these jobs (default coordl,coordl-dali)")
     parser.add_argument("--iters", type=int, default=60, help="coordl analyze --iters (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="coordl analyze --warmup (default 10)")
+    parser.add_argument("--steps", default="resnet18,none",
+                        help="comma-separated, of resnet18,none (none: the DALI systems' loaders alone)")
     parser.add_argument("--drain-each-epoch", action="store_true",
                         help="wait for the GPU's queue at every epoch's edges (each epoch timed on its own)")
     parser.add_argument("--out", default="results/gpu_stall")
@@ -333,8 +343,11 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         make_dataset(root, args.images, os.cpu_count())
         print(f"{args.images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
-        steps = {kind: Step(kind, args.device) for kind in ("resnet18", "none")}
-        plan = [(s, "resnet18") for s in systems] + [(s, "none") for s in systems if s in DALI_SYSTEMS]
+        kinds = [k for k in args.steps.split(",") if k]
+        if not kinds or set(kinds) - {"resnet18", "none"}:
+            raise SystemExit(f"--steps should be resnet18, none or both, but got --steps {args.steps}")
+        steps = {kind: Step(kind, args.device) for kind in kinds}
+        plan = [(s, kind) for kind in kinds for s in systems if kind == "resnet18" or s in DALI_SYSTEMS]
         rows, failed = [], {}
         for trial in range(args.trials):
             for system, kind in (plan if trial % 2 == 0 else plan[::-1]):
@@ -347,8 +360,10 @@ def main(argv=None) -> int:
                     failed[system] = f"{type(e).__name__}: {e}"
                     continue
                 rows += trial_rows
+                ahead = f" (epochs on the plan drawn ahead: {trial_rows[-1]['ahead_taken']}, on another: " \
+                    f"{trial_rows[-1]['ahead_dropped']})" if "ahead_taken" in trial_rows[-1] else ""
                 print(f"trial {trial} {system:12s} step={kind:8s} " + " ".join(
-                    f"{r['samples_per_s']:7.0f}" for r in trial_rows) + " samples/s", flush=True)
+                    f"{r['samples_per_s']:7.0f}" for r in trial_rows) + " samples/s" + ahead, flush=True)
         summary = summarize(rows)
         analyses = []
         for system in [s for s in args.analyze.split(",") if s]:

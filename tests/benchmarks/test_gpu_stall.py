@@ -77,3 +77,21 @@ def test_a_run_with_the_step_on_the_cpu_delivers_every_sample_of_every_epoch(tmp
     setup = json.loads((out / "setup.json").read_text())
     assert setup["gpu"] is None and setup["settings"]["device"] == "cpu" and setup["git_sha"]
     assert "| coordl | resnet18 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_dali_loaders_alone_and_coordl_dalis_epochs_on_the_plan_drawn_ahead(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stall", "--device", "cpu", "--images", "24",
+                          "--batch-size", "8", "--epochs", "3", "--trials", "1", "--workers", "2", "--steps", "none",
+                          "--systems", "coordl-dali,dali", "--out", str(out)], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["epochs"]
+    assert sorted((r["system"], r["step"], r["epoch"]) for r in rows) == sorted(
+        (s, "none", e) for s in ("coordl-dali", "dali") for e in (1, 2, 3))
+    assert all(r["samples"] == 24 for r in rows)
+    coordl_dali = [r for r in rows if r["system"] == "coordl-dali"]
+    assert [(r["ahead_taken"], r["ahead_dropped"]) for r in coordl_dali] == [(0, 0), (1, 0), (2, 0)]
+    assert "epochs on the plan drawn ahead: 2, on another: 0" in run.stdout
