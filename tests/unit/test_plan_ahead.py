@@ -84,13 +84,12 @@ def test_a_distributed_sampler_is_drawn_ahead_at_the_epoch_set_epoch_went_to_las
     (a job that never calls ``set_epoch`` keeps one order)."""
     sampler = tud.DistributedSampler(Indices(), num_replicas=2, rank=1, shuffle=True, seed=4)
     loader = _loader(sampler=sampler)
-    hits = []
+    hits, planned = [], None
     for epoch in range(4):
         sampler.set_epoch(epoch * step)
+        drawn = _epoch(loader)
         if epoch:
-            hits.append(planned == _epoch(loader))
-        else:
-            _epoch(loader)
+            hits.append(planned == drawn)
         epoch_before = sampler.epoch
         planned = loader.batch_sampler.plan_ahead()
         assert sampler.epoch == epoch_before
