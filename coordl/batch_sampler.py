@@ -13,18 +13,23 @@ a plan drawn later uses the generator exactly as torch's own iterator would.
 
 NOTE [ Planning ahead ]
 A feed that prepares batches ahead (the DALI pipeline, see ``dali_pipeline._Feeder``) may start on the next
-pass before it exists: :meth:`EpochBatchSampler.plan_ahead` draws the plan that pass would draw if nothing
-draws from its generators (or the global RNG) first. It repeats, on copies of the random state, what comes
-before the draw (torch's iterator drawing its base seed from the loader's ``generator``, a
-``DistributedSampler``'s ``set_epoch`` with the step it took last) and restores every generator after. Only
-torch's own samplers, whose draws depend on nothing else, are drawn ahead. It is a guess the feed checks: the
-pass draws its plan as ever, and a feed whose guess differs drops what it prepared.
+pass before it exists: :meth:`EpochBatchSampler.plan_ahead` draws the first batches that pass would draw if
+nothing draws from its generators (or the global RNG) first. It repeats what comes before the draw (torch's
+iterator drawing its base seed from the loader's ``generator``, a ``DistributedSampler``'s ``set_epoch`` with
+the step it took last), then draws, and sets every generator and epoch back as it was. Only torch's own
+samplers are drawn ahead: their passes depend on their random state, epoch and settings, and on nothing a
+user's sampler might keep. It is a guess the feed checks: the pass draws its plan as ever, and a feed whose
+guess differs drops what it prepared. Where the draw involves the global RNG (no ``generator``), it runs
+inside ``torch.random.fork_rng``: draws from it by another thread in those milliseconds are undone and drawn
+again.
 
 The batch sampler is also where a loader's position is checkpointed (``state_dict``/``load_state_dict``,
 see NOTE [ Resuming a pass ] in ``resume_state``), so torchdata's ``StatefulDataLoader`` (and Accelerate's
 ``use_stateful_dataloader``), which save and restore a ``Stateful`` batch sampler, resume it too.
 """
 
+import contextlib
+import itertools
 import warnings
 import weakref
 
@@ -88,7 +93,7 @@ class _PassCheckpoints:
         what = type(self).__name__
         state = resume_state.checked(state, what)
         saved = state["pass"]
-        self._resume = None
+        self._resume, self._drawn_epochs = None, []
         if getattr(self.epochs, "group", None) is not None and "hp_group" in state:
             self._resume_group(state["hp_group"], mid_epoch=saved is not None, what=what)
         if saved is None:
@@ -162,11 +167,12 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
             torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
         return (list(batch) for batch in batches)
 
-    def plan_ahead(self) -> list[list[int]] | None:
-        """The next pass's plan if nothing draws from its random state first, or None where it cannot be
-        drawn ahead (see NOTE [ Planning ahead ]). Every generator, the global RNG and the samplers' epochs
-        are left as they were."""
-        if self.batches is not None or type(self.sampler) not in _DRAWN_AHEAD or \
+    def plan_ahead(self, batches: int | None = None) -> list[list[int]] | None:
+        """The next pass's plan (its first ``batches``) if nothing draws from its random state first, or None
+        where it cannot be drawn ahead (see NOTE [ Planning ahead ]). Every generator, the global RNG and the
+        samplers' epochs are left as they were."""
+        sampler = self.sampler
+        if self.batches is not None or type(sampler) not in _DRAWN_AHEAD or \
                 (self.generator is not None and self.generator.device.type != "cpu"):
             return None
         sources = self.rng_sources()
@@ -176,11 +182,12 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
             epochs = [e + (e - before) for e, before in zip(*reversed(self._drawn_epochs))]
         elif epochs:
             epochs = [e + 1 for e in epochs]
+        global_rng = self.generator is None or getattr(sampler, "generator", False) is None
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]) if global_rng else contextlib.nullcontext():
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # torch's base seed at iter()
                 sources.set_epochs(epochs)
-                return list(self.plain_batches())
+                return list(itertools.islice(self.plain_batches(), batches))
         finally:
             sources.restore(state, what="plan_ahead")
 

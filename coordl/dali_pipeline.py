@@ -16,6 +16,7 @@ import gc
 import hashlib
 import importlib.util
 import io
+import logging
 import os
 import threading
 import warnings
@@ -29,11 +30,19 @@ import torch
 from coordl.cached_dataset import COUNTER_FIELDS, CachedDataset
 from coordl.exceptions import SampleError
 
+summary_logger = logging.getLogger("coordl")
 INSTALL_HINT = "pip install 'coordl[dali]'  (or: pip install nvidia-dali-cuda120)"
 PREFETCH_DEPTH = 2
 """Batches DALI runs ahead of the training loop."""
 FETCH_RAMP = 2
 """Batches a feeder fetches at once at an epoch's start (see :class:`_Feeder`)."""
+AHEAD_LEFT = 2
+"""A feeder draws the next epoch's plan ahead once this many or fewer of its epoch's batches are left to feed."""
+AHEAD_BATCHES = FETCH_RAMP + PREFETCH_DEPTH
+"""Batches of the next epoch's plan drawn ahead: more than DALI asks for before that epoch starts."""
+AHEAD_MISSES = 2
+"""Plans drawn ahead wrong in a row after which a pipeline stops drawing them."""
+SAMPLES = COUNTER_FIELDS.index("samples")
 _pipelines: "weakref.WeakSet" = weakref.WeakSet()
 """The DALI pipelines coordl built in this process (see :func:`_disown_pipelines_in_child`)."""
 
@@ -134,24 +143,37 @@ def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> 
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
     encoded = [TensorCPU(np.frombuffer(raw, dtype=np.uint8), "")
                for raw in cached.fetch_many(list(indices), row, views=True)]
-    row[COUNTER_FIELDS.index("samples")] += len(indices)
-    columns = [np.stack(column) if all(np.ndim(v) == 0 for v in column) else
-               [np.ascontiguousarray(v) for v in column] for column in zip(*(read_target(i) for i in indices))]
-    return encoded, columns, row
+    row[SAMPLES] += len(indices)
+    return encoded, _target_columns(read_target, indices), row
+
+
+def _target_columns(read_target, indices: Sequence[int]) -> list:
+    """The targets of a batch's samples, a column per target field."""
+    return [np.stack(column) if all(np.ndim(v) == 0 for v in column) else
+            [np.ascontiguousarray(v) for v in column] for column in zip(*(read_target(i) for i in indices))]
+
+
+def _same_columns(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(x, y) if isinstance(x, np.ndarray) and isinstance(y, np.ndarray) else
+        isinstance(x, list) and isinstance(y, list) and len(x) == len(y) and all(map(np.array_equal, x, y))
+        for x, y in zip(a, b))
 
 
 class _Feeder:
     """The supply of batches for ``fn.external_source``: an epoch's plan, then, where the next pass's plan
-    can be drawn ahead (``plan_ahead``, see NOTE [ Planning ahead ] in ``batch_sampler``), that plan, so DALI
-    runs on across the epoch's end as its own reader does. It draws that plan once :data:`FETCH_RAMP` or fewer
-    of the epoch's batches are left to feed. Batches are fetched up to ``depth`` ahead on ``pool``, starting
-    with :data:`FETCH_RAMP` and adding one more each batch taken until there are ``depth`` (a batch's hits are
-    fetched in Python: the epoch's first, fetched beside ``depth - 1`` others, would come after all of them).
+    can be drawn ahead (``plan_ahead(n)``, its first ``n`` batches; see NOTE [ Planning ahead ] in
+    ``batch_sampler``), that plan's first :data:`AHEAD_BATCHES`, so DALI runs on across the epoch's end as its
+    own reader does. It draws them once :data:`AHEAD_LEFT` or fewer of the epoch's batches are left to feed.
+    Batches are fetched up to ``depth`` ahead on ``pool``, starting with :data:`FETCH_RAMP` and adding one more
+    each batch taken until there are ``depth`` (a batch's hits are fetched in Python: the epoch's first,
+    fetched beside ``depth - 1`` others, would come after all of them).
 
     Batches fed from the plan ahead are the next epoch's: their counts are held until that epoch takes them
-    over (:meth:`take_over`), or, its plan being another (:meth:`replan`), counted there without samples (the
-    reads were made), their outputs dropped. One that fails to fetch is fed as the batch before it, and the
-    plan ahead is not taken over: the next epoch fetches that batch again, and fails where it belongs.
+    over (:meth:`take_over`: its plan starts with them, and their targets are still what was fetched), or,
+    that epoch's plan being another (:meth:`replan`), counted there as reads without samples, their outputs
+    dropped. One that fails to fetch is fed as the batch before it and the plan ahead is not taken over:
+    the next epoch fetches that batch again, and fails where it belongs.
     """
 
     def __init__(self, cached: CachedDataset, read_target, batches: list[list[int]],
@@ -165,24 +187,28 @@ class _Feeder:
 
     def _start(self, batches: list[list[int]], plan_ahead) -> None:
         self._batches, self._plan_ahead = batches, plan_ahead
-        self.ahead: list[list[int]] | None = None  # the next pass's plan, once drawn
-        self._held = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)  # counts of batches fed from it
-        self._spoiled = False  # a batch of it failed to fetch
+        self.ahead: list[list[int]] | None = None  # the next pass's first batches, once drawn
+        self._held = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)  # counts of batches fed from them
+        self._spoiled = False  # a batch of them failed to fetch
         self._pending: collections.deque = collections.deque()
-        self._next = self._fed = 0  # batches submitted and fed: this plan's, then the one ahead's
+        self._next = self._fed = 0  # batches submitted and fed: this plan's, then the ones ahead
         self._submit(FETCH_RAMP)
 
     @property
     def goes_on(self) -> bool:
-        """Whether the plan ahead follows this epoch's (else the feed ends with it)."""
+        """Whether batches of the plan ahead follow this epoch's (else the feed ends with it)."""
         return self.ahead is not None
 
+    def fed_ahead(self) -> int:
+        """How many of the batches in flight are of the plan ahead (the last ones)."""
+        return max(self._fed - len(self._batches), 0)
+
     def _draw_ahead(self) -> None:
-        if self._plan_ahead is None or len(self._batches) - self._fed > FETCH_RAMP:
+        if self._plan_ahead is None or len(self._batches) - self._fed > AHEAD_LEFT:
             return
         plan_ahead, self._plan_ahead = self._plan_ahead, None
         try:
-            self.ahead = plan_ahead() or None
+            self.ahead = plan_ahead(AHEAD_BATCHES) or None
         except Exception:  # a plan that cannot be drawn ahead is drawn when its pass starts, and fails there
             self.ahead = None
 
@@ -221,9 +247,10 @@ class _Feeder:
         return fed
 
     def take_over(self, batches: list[list[int]], plan_ahead) -> bool:
-        """At the next epoch's start, with this epoch's batches all out of DALI: if its plan ``batches`` is
-        the plan ahead, go on with it (the batches fed from it are the epoch's first) and return True."""
-        if self._spoiled or self.ahead != batches:
+        """At the next epoch's start, with this epoch's batches all out of DALI: if its plan ``batches`` starts
+        with the batches drawn ahead and their targets are still those fetched, go on with it (the batches fed
+        ahead are its first) and return True."""
+        if self._spoiled or batches[:len(self.ahead)] != self.ahead or not self._targets_kept():
             return False
         done = len(self._batches)
         self._batches, self.ahead, self._plan_ahead = batches, None, plan_ahead
@@ -233,22 +260,41 @@ class _Feeder:
         self._submit(FETCH_RAMP)
         return True
 
+    def _targets_kept(self) -> bool:
+        """Whether the targets of the batches fetched ahead are still the dataset's (a training loop may
+        relabel samples between epochs)."""
+        fed = list(self.in_flight)[len(self.in_flight) - self.fed_ahead():]
+        checks = [(indices, list(fed_batch[1:])) for indices, fed_batch in fed]
+        for indices, future in self._pending:
+            if future.exception() is not None:  # fetched again in its epoch, and failing there
+                return False
+            checks.append((indices, future.result()[1]))
+        return all(_same_columns(columns, _target_columns(self._read_target, indices)) for indices, columns in checks)
+
     def replan(self, batches: list[list[int]], plan_ahead) -> int:
-        """At the next epoch's start, with this epoch's batches all out of DALI and the plan ahead not
-        ``batches``: feed ``batches`` from their first. Returns how many batches DALI was fed from the plan
-        ahead, whose outputs come first and are to be dropped."""
+        """At the next epoch's start, with this epoch's batches all out of DALI and the plan ahead not taken
+        over: feed ``batches`` from their first. Returns how many batches DALI was fed from the plan ahead,
+        whose outputs come first and are to be dropped."""
+        dropped = self.fed_ahead()
         self.close()
-        self._held[COUNTER_FIELDS.index("samples")] = 0
+        self._held[SAMPLES] = 0
         self._counters += self._held
         self._start(batches, plan_ahead)
-        return len(self.in_flight)
+        return dropped
 
     def close(self) -> None:
-        """Cancel the fetches not started and wait for those running: none of them runs after."""
+        """Cancel the fetches not started and wait for those running: none of them runs after. The reads of
+        those that ran are counted, without samples (their batches are not fed)."""
         futures = [future for _, future in self._pending]
         for future in futures:
             future.cancel()
         concurrent.futures.wait(futures)
+        for future in futures:
+            if not future.cancelled() and future.exception() is None:
+                row = future.result()[2].copy()
+                row[SAMPLES] = 0
+                self._counters += row
+        self._pending.clear()
 
 
 class DaliBackend:
@@ -298,6 +344,7 @@ class DaliBackend:
         self._pool_pid: int | None = None
         self.finished = True  # the last epoch ran to its end (else its queued batches must be dropped)
         self.ahead = {"taken": 0, "dropped": 0}  # epochs started on a plan drawn ahead: right, and not
+        self._misses = 0  # plans drawn ahead wrong in a row
         self._warn_replaced_transforms(cached.dataset)
 
     def twin(self) -> "DaliBackend":
@@ -306,7 +353,7 @@ class DaliBackend:
         twin = object.__new__(DaliBackend)
         twin.__dict__.update(self.__dict__)
         twin._pipe, twin._feeder, twin._pool, twin._pool_pid, twin.finished = None, None, None, None, True
-        twin.ahead = {"taken": 0, "dropped": 0}
+        twin.ahead, twin._misses = {"taken": 0, "dropped": 0}, 0
         return twin
 
     def _fetch_pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -353,13 +400,13 @@ class DaliBackend:
 
     def epoch(self, batches: list[list[int]], seed: int, plan_ahead=None) -> "DaliEpoch":
         """Start an epoch over ``batches`` (lists of dataset indices, in plan order); ``plan_ahead``: a
-        function drawing the next epoch's plan ahead (see :class:`_Feeder`), or None."""
-        if self.cached.peers is not None:  # the servers' cache maps change at each epoch's start
-            plan_ahead = None
-        if self.finished and self._pipe is not None and self._feeder is not None and self._feeder.goes_on \
-                and batches and self._go_on(batches, plan_ahead):
-            self.finished = False
-            return DaliEpoch(self, len(batches))
+        function drawing the next epoch's first batches ahead (see :class:`_Feeder`), or None."""
+        if getattr(self.cached, "peers", None) is not None or self._misses >= AHEAD_MISSES:
+            plan_ahead = None  # partitioned: the servers' cache maps change at each epoch's start
+        if self.finished and self._feeder is not None and self._feeder.goes_on:
+            self.finished = False  # until it has gone on: an interruption leaves the pipeline to be dropped
+            if self._pipe is not None and batches and self._go_on(batches, plan_ahead):
+                return DaliEpoch(self, len(batches))
         if not self.finished:
             self.discard()
         self._end_feeder()
@@ -376,19 +423,26 @@ class DaliBackend:
         """Run on into ``batches`` with the pipeline as it is, fed ahead: its batches if they were drawn
         right, else after dropping the outputs of those fed. False where that fails (start afresh)."""
         feeder = self._feeder
-        if feeder.take_over(batches, plan_ahead):
-            self.ahead["taken"] += 1
-            return True
-        self.ahead["dropped"] += 1
         try:
-            for _ in range(feeder.replan(batches, plan_ahead)):
+            if feeder.take_over(batches, plan_ahead):
+                self.ahead["taken"] += 1
+                self._misses = 0
+                return True
+            self.ahead["dropped"] += 1
+            self._misses += 1
+            if self._misses == AHEAD_MISSES:
+                summary_logger.info(
+                    "coordl: the DALI pipeline's plan drawn ahead was wrong %d epochs in a row, so it no longer runs "
+                    "on across epochs. Something draws from the random state between epochs (a validation "
+                    "DataLoader without a generator draws its base seed from torch's global RNG); pass "
+                    "generator=torch.Generator() to this loader to keep its order apart from it.", AHEAD_MISSES)
+            for _ in range(feeder.replan(batches, plan_ahead if self._misses < AHEAD_MISSES else None)):
                 self._pipe.run()
                 feeder.in_flight.popleft()
-        except Exception:  # failed in DALI: a batch fed ahead, or this plan's (which fails again, in its epoch)
+            return True
+        except Exception:  # failed in DALI (a batch fed ahead, or this plan's, which fails again in its epoch)
             self.discard()
             return False
-        return True
-
     def _end_feeder(self) -> None:
         if self._feeder is not None:
             self._feeder.close()
@@ -414,7 +468,9 @@ class DaliBackend:
         itself (other files, audio for one, cannot be checked here)."""
         from PIL import Image
         from torchvision.datasets.folder import IMG_EXTENSIONS
-        in_flight = [i for batch, _ in (self._feeder.in_flight if self._feeder else ()) for i in batch]
+        feeder = self._feeder
+        this_epochs = list(feeder.in_flight)[:len(feeder.in_flight) - feeder.fed_ahead()] if feeder else []
+        in_flight = [i for batch, _ in this_epochs for i in batch]  # not the next epoch's, fed ahead
         scratch = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
         for index in in_flight:
             try:

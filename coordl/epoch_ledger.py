@@ -47,16 +47,16 @@ class _Running:
 
 
 def _plan_ahead(owner):
-    """A function drawing the plan of the pass after ``owner``'s, or None (held weakly: the feed that keeps
-    it is the sampler's, through this ledger)."""
+    """A function drawing the first batches of the pass after ``owner``'s, or None (the sampler held weakly:
+    the feed that keeps the function is the sampler's, through this ledger)."""
     method = getattr(owner.sampler, "plan_ahead", None)
     if method is None:
         return None
     ref = weakref.WeakMethod(method)
 
-    def plan_ahead():
+    def plan_ahead(batches: int):
         method = ref()
-        return method() if method is not None else None
+        return method(batches) if method is not None else None
     return plan_ahead
 
 

@@ -21,7 +21,7 @@ import torchvision
 from PIL import Image, ImageDraw
 
 import coordl
-from coordl.dali_pipeline import file_reader_loader
+from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_MISSES, file_reader_loader
 from coordl.dali_presets import IMAGENET_MEAN, IMAGENET_STD
 
 N_IMAGES = 96  # the image_root fixture
@@ -192,22 +192,25 @@ AHEAD = {  # loader options, and what the training loop does before each epoch
     "global RNG": (lambda ds: dict(shuffle=True), lambda e: None),
     "set_epoch": (lambda ds: dict(sampler=tud.DistributedSampler(ds, num_replicas=2, rank=1, seed=3)),
                   lambda e: None),
-    "global draws between epochs": (lambda ds: dict(shuffle=True), lambda e: torch.rand(3)),
+    # a validation DataLoader without a generator draws its base seed from the global RNG
+    "validation between epochs": (lambda ds: dict(shuffle=True), lambda e: next(iter(tud.DataLoader(range(4))))),
 }
 
 
 @pytest.mark.parametrize("setting", list(AHEAD))
-def test_the_pipeline_runs_on_into_the_next_epochs_plan_drawn_ahead(image_root, setting):
+def test_the_pipeline_runs_on_into_the_next_epochs_plan_drawn_ahead(image_root, setting, caplog):
     """Each epoch after the first starts on batches fed to DALI during the one before, where its plan was drawn
     right: every epoch is still torch's plan, each sample once, counted in its own epoch. A training loop drawing
-    from the global RNG between epochs changes the plan; what was fed ahead is dropped."""
+    from the global RNG between epochs changes the plan: what was fed ahead is dropped, its reads counted, and
+    after two such epochs the pipeline stops drawing ahead, saying why and what to pass."""
     dataset, (options, between) = _indexed(image_root), AHEAD[setting]
     sampler_options = options(dataset)
     sampler = sampler_options.get("sampler")
     set_epoch = (lambda e: (between(e), sampler.set_epoch(e))) if sampler is not None else between
     torch.manual_seed(11)
-    with coordl.DataLoader(dataset, batch_size=10, num_workers=2, backend="dali", cache_bytes="auto",
-                           **sampler_options) as loader:
+    with caplog.at_level(logging.INFO, logger="coordl"), \
+            coordl.DataLoader(dataset, batch_size=10, num_workers=2, backend="dali", cache_bytes="auto",
+                              **sampler_options) as loader:
         orders = _ordered_epochs(loader, 4, set_epoch)
         ahead, epochs = loader.epoch_ledger.feed.backend.ahead, loader.stats().epochs
     reference_options = options(range(len(dataset)))
@@ -220,11 +223,15 @@ def test_the_pipeline_runs_on_into_the_next_epochs_plan_drawn_ahead(image_root, 
     per_epoch = len(expected[0])
     for order in orders:
         assert len(set(order)) == per_epoch
-    drawn_right = setting != "global draws between epochs"
-    assert ahead == {"taken": 3 if drawn_right else 0, "dropped": 0 if drawn_right else 3}
     assert [e.samples for e in epochs] == [per_epoch] * 4 and all(e.complete for e in epochs)
-    dropped_reads = [e.hits + e.misses - e.samples for e in epochs]  # the batches fed ahead and dropped
-    assert dropped_reads[0] == 0 and all(r == 0 if drawn_right else r in (10, 20) for r in dropped_reads[1:])
+    dropped_reads = [e.hits + e.misses - e.samples for e in epochs]  # of the batches fetched ahead and dropped
+    stopped = "no longer runs on across epochs" in caplog.text
+    if setting != "validation between epochs":
+        assert ahead == {"taken": 3, "dropped": 0} and dropped_reads == [0] * 4 and not stopped
+    else:
+        assert ahead == {"taken": 0, "dropped": AHEAD_MISSES} and stopped and "generator=torch.Generator()" in caplog.text
+        assert all(10 <= r <= 10 * AHEAD_BATCHES and r % 10 == 0 for r in dropped_reads[1:1 + AHEAD_MISSES])
+        assert dropped_reads[0] == 0 and dropped_reads[1 + AHEAD_MISSES:] == [0] * (3 - AHEAD_MISSES)
 
 
 class _Pairs:
@@ -269,6 +276,50 @@ def test_a_file_of_the_plan_ahead_that_fails_fails_in_its_own_epoch(fresh_image_
         with pytest.raises(coordl.SampleError, match=f"sample {victim} \\({dataset.files[victim]}"):
             list(loader)
         assert loader.epoch_ledger.feed.backend.ahead == {"taken": 1, "dropped": 1}
+
+
+def test_an_interruption_while_dropping_the_batches_fed_ahead_leaves_nothing_in_the_next_epoch(image_root,
+                                                                                               monkeypatch):
+    """Ctrl-C in the epoch's start, while the outputs of a wrong guess are run and dropped: the pipeline is
+    dropped, and the next epoch is its plan, not the batch fed ahead and left in DALI."""
+    from coordl import dali_pipeline
+    armed, fetch = {"on": False}, dali_pipeline._fetch_batch
+
+    def interrupted(*args):
+        if armed.pop("on", False):
+            raise KeyboardInterrupt
+        return fetch(*args)
+
+    monkeypatch.setattr(dali_pipeline, "_fetch_batch", interrupted)
+    dataset, generator = _indexed(image_root), torch.Generator()
+    reference_generator = torch.Generator()
+    reference = tud.DataLoader(range(len(dataset)), batch_size=10, shuffle=True, generator=reference_generator)
+    with coordl.DataLoader(dataset, batch_size=10, shuffle=True, backend="dali", cache_bytes=0,
+                           generator=generator) as loader:
+        for g in (generator, reference_generator):
+            g.manual_seed(1)
+        list(loader), list(reference)
+        for g in (generator, reference_generator):
+            g.manual_seed(2)  # the plan drawn ahead is wrong
+        armed["on"] = True
+        with pytest.raises(KeyboardInterrupt):
+            next(iter(loader))
+        list(reference)  # the interrupted pass drew its whole plan: the pipeline is fed ahead of the loop
+        order = torch.cat([labels for _, labels in loader]).tolist()
+    assert order == torch.cat(list(reference)).tolist()
+
+
+def test_samples_relabelled_between_epochs_come_with_their_new_labels(image_root):
+    dataset = _indexed(image_root)
+    with coordl.DataLoader(dataset, batch_size=10, shuffle=True, backend="dali", cache_bytes=0,
+                           generator=torch.Generator().manual_seed(3)) as loader:
+        list(loader)
+        assert loader.epoch_ledger.feed.backend._feeder.goes_on  # the next epoch's first labels were read
+        for i in range(len(dataset)):
+            dataset.targets[i] = 1000 + i
+        labels = torch.cat([labels for _, labels in loader]).tolist()
+        assert loader.epoch_ledger.feed.backend.ahead == {"taken": 0, "dropped": 1}
+    assert sorted(labels) == [1000 + i for i in range(len(dataset))]
 
 
 def _fetch_threads(before=frozenset()) -> set:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordl.cached_dataset import COUNTER_FIELDS
-from coordl.dali_pipeline import FETCH_RAMP, _Feeder
+from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder
 
 
 class _LazyPool:
@@ -29,6 +29,14 @@ class _LazyPool:
                     except Exception as e:
                         self.set_exception(e)
                 return super().result()
+
+            def exception(self, timeout=None):
+                if not self.done():
+                    try:
+                        self.result()
+                    except Exception:
+                        pass
+                return super().exception()
 
             def cancel(self):  # as an executor's thread does with a fetch cancelled before it ran
                 return super().cancel() and not self.set_running_or_notify_cancel()
@@ -99,49 +107,66 @@ class _Ahead:
     def __init__(self, feeder_of, plan):
         self.feeder_of, self.plan, self.drawn_at = feeder_of, plan, []
 
-    def __call__(self):
+    def __call__(self, batches):
         self.drawn_at.append(self.feeder_of()._fed)
         if isinstance(self.plan, Exception):
             raise self.plan
-        return self.plan
+        return self.plan[:batches] if self.plan is not None else None
 
 
-def _feeder(batches, ahead_plan, failing=(), depth=4):
+def _feeder(batches, ahead_plan, failing=(), depth=4, labels=None):
     cached, holder = _cached(64, failing), {}
     ahead = _Ahead(lambda: holder["feeder"], ahead_plan)
-    holder["feeder"] = _Feeder(cached, lambda i: (np.int64(i),), batches, _LazyPool(), depth, ahead)
+    labels = {} if labels is None else labels
+    holder["feeder"] = _Feeder(cached, lambda i: (np.int64(labels.get(i, i)),), batches, _LazyPool(), depth, ahead)
     return holder["feeder"], ahead, cached
 
 
 def test_the_plan_ahead_is_drawn_with_the_ramp_left_and_fed_after_the_epoch_counted_as_the_next():
-    this, following = _plans(6, 0), _plans(5, 20)
+    this, following = _plans(6, 0), _plans(AHEAD_BATCHES + 2, 20)
     feeder, ahead, cached = _feeder(this, following)
     assert _feed(feeder, 7) == this + following[:1]  # DALI has the epoch's last output out and the next queued
-    assert ahead.drawn_at == [len(this) - FETCH_RAMP] and feeder.goes_on
+    assert ahead.drawn_at == [len(this) - AHEAD_LEFT] and feeder.ahead == following[:AHEAD_BATCHES]
     assert [indices for indices, _ in feeder.in_flight] == following[:1]
     assert _counted(cached, SAMPLES) == 12 and _counted(cached, HITS) == 12  # the one fed ahead is held back
 
-    assert feeder.take_over(following, None)
+    assert feeder.take_over(following, None)  # the plan starts with the batches drawn ahead: the rest is its own
     assert _counted(cached, SAMPLES) == 14 and _counted(cached, HITS) == 14
-    assert _feed(feeder, 4) == following[1:]
+    assert _feed(feeder, len(following) - 1) == following[1:]
     assert not feeder.goes_on
     with pytest.raises(StopIteration):
         feeder()
-    assert _counted(cached, SAMPLES) == 22
+    assert _counted(cached, SAMPLES) == 12 + 2 * len(following)
+
+
+def test_targets_changed_since_they_were_fetched_ahead_are_not_taken_over():
+    """A training loop relabelling samples between epochs: the batches fetched ahead carry the old labels."""
+    this, following, labels = _plans(3, 0), _plans(4, 20), {}
+    feeder, _, _ = _feeder(this, following, labels=labels)
+    assert _feed(feeder, 4) == this + following[:1]
+    feeder._pending[0][1].result()  # following[1] fetched
+    for relabelled in (following[0][0], following[1][1]):  # fed ahead; fetched ahead, not fed
+        labels[relabelled] = 99
+        assert not feeder.take_over(following, None)
+        labels.clear()
+    assert feeder.take_over(following, None)
 
 
 def test_another_plan_drops_what_was_fed_ahead_and_counts_its_reads_without_samples():
     this, following, actual = _plans(4, 0), _plans(4, 20), _plans(3, 40)
     feeder, _, cached = _feeder(this, following)
     assert _feed(feeder, 5) == this + following[:1]
+    fetched, not_run = feeder._pending[0][1], feeder._pending[1][1]
+    fetched.result()  # fetched ahead, not fed; the next not started
     assert not feeder.take_over(actual, None)
     assert feeder.replan(actual, None) == 1  # the one fed ahead: DALI outputs it first, to be dropped
+    assert not_run.cancelled()
     feeder.in_flight.popleft()
-    assert _counted(cached, SAMPLES) == 8 and _counted(cached, HITS) == 10
+    assert _counted(cached, SAMPLES) == 8 and _counted(cached, HITS) == 12  # both reads counted, no samples
     assert _feed(feeder, 3) == actual
     with pytest.raises(StopIteration):
         feeder()
-    assert _counted(cached, SAMPLES) == 14 and _counted(cached, HITS) == 16
+    assert _counted(cached, SAMPLES) == 14 and _counted(cached, HITS) == 18
 
 
 def test_a_batch_ahead_that_fails_to_fetch_is_fed_as_the_one_before_and_not_taken_over():
@@ -151,8 +176,8 @@ def test_a_batch_ahead_that_fails_to_fetch_is_fed_as_the_one_before_and_not_take
     assert [_labels(f) for f in fed[:3]] == this
     assert fed[3] is fed[2] and _labels(fed[4]) == following[1]  # in place of following[0], this epoch's last
     assert not feeder.take_over(following, None)
+    assert feeder.replan(following, None) == 2
     with pytest.raises(OSError, match="cannot read"):
-        feeder.replan(following, None)
         feeder()  # the plan's own batch fails in its own epoch
 
 
@@ -161,6 +186,6 @@ def test_without_a_plan_ahead_the_feed_ends_with_the_epoch(plan):
     this = _plans(5, 0)
     feeder, ahead, _ = _feeder(this, plan)
     assert _feed(feeder, 5) == this
-    assert ahead.drawn_at == [len(this) - FETCH_RAMP] and not feeder.goes_on
+    assert ahead.drawn_at == [len(this) - AHEAD_LEFT] and not feeder.goes_on
     with pytest.raises(StopIteration):
         feeder()

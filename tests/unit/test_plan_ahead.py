@@ -73,9 +73,25 @@ def test_the_plan_drawn_ahead_is_the_next_pass_and_changes_nothing(options):
     _epoch(loader)
     for _ in range(3):
         before = _states(loader)
-        planned = loader.batch_sampler.plan_ahead()
+        planned, first = loader.batch_sampler.plan_ahead(), loader.batch_sampler.plan_ahead(2)
         assert _same(before, _states(loader))
-        assert planned == _epoch(loader)
+        assert planned == _epoch(loader) and first == planned[:2]
+
+
+def test_with_a_generator_the_global_rng_is_left_to_whoever_draws_from_it_meanwhile():
+    """Only the loader's generators are set back: a draw from the global RNG made while the plan is drawn ahead
+    (by another thread, here forced into the draw) stays drawn."""
+    loader = _loader(shuffle=True, generator=torch.Generator().manual_seed(3))
+    _epoch(loader)
+    sampler, drawn = loader.batch_sampler, []
+    plain = sampler.plain_batches
+    sampler.plain_batches = lambda: (drawn.append(torch.rand(1)), plain())[1]
+    torch.manual_seed(0)
+    sampler.plan_ahead()
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    first, second = torch.rand(1), torch.rand(1)
+    assert torch.equal(drawn[0], first) and torch.equal(after, second)
 
 
 @pytest.mark.parametrize("step", [1, 2, 0])
