@@ -43,7 +43,8 @@ from coordl.analyzer import phases as analyzer_phases
 _DRAWN_AHEAD = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
                 torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
                 torch.utils.data.distributed.DistributedSampler)
-"""Samplers whose passes depend only on their random state and epoch: those :meth:`plan_ahead` draws."""
+"""torch's samplers, whose passes depend on their random state, epoch and settings only: those
+:meth:`plan_ahead` draws."""
 
 
 class _PassCheckpoints:

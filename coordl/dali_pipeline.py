@@ -127,9 +127,8 @@ def target_reader(dataset) -> tuple[Callable[[int], tuple] | None, str]:
             target = dataset.dali_target(i)
             return tuple(target) if isinstance(target, tuple) else (np.int64(target),)
         return read, ""
-    targets = getattr(dataset, "targets", None)
-    if targets is not None:
-        return (lambda i: (np.int64(targets[i]),)), ""
+    if getattr(dataset, "targets", None) is not None:
+        return (lambda i: (np.int64(dataset.targets[i]),)), ""  # looked up each time: it may be replaced
     return None, f"{type(dataset).__name__} has no labels coordl can read (define dali_target(i) or targets)"
 
 
@@ -154,6 +153,7 @@ def _target_columns(read_target, indices: Sequence[int]) -> list:
 
 
 def _same_columns(a: list, b: list) -> bool:
+    """Whether two batches' target columns (of :func:`_target_columns`) hold the same values."""
     return len(a) == len(b) and all(
         np.array_equal(x, y) if isinstance(x, np.ndarray) and isinstance(y, np.ndarray) else
         isinstance(x, list) and isinstance(y, list) and len(x) == len(y) and all(map(np.array_equal, x, y))

@@ -309,14 +309,17 @@ def test_an_interruption_while_dropping_the_batches_fed_ahead_leaves_nothing_in_
     assert order == torch.cat(list(reference)).tolist()
 
 
-def test_samples_relabelled_between_epochs_come_with_their_new_labels(image_root):
+@pytest.mark.parametrize("relabel", ["in place", "replaced"])
+def test_samples_relabelled_between_epochs_come_with_their_new_labels(image_root, relabel):
     dataset = _indexed(image_root)
     with coordl.DataLoader(dataset, batch_size=10, shuffle=True, backend="dali", cache_bytes=0,
                            generator=torch.Generator().manual_seed(3)) as loader:
         list(loader)
         assert loader.epoch_ledger.feed.backend._feeder.goes_on  # the next epoch's first labels were read
-        for i in range(len(dataset)):
-            dataset.targets[i] = 1000 + i
+        if relabel == "in place":
+            dataset.targets[:] = [1000 + i for i in range(len(dataset))]
+        else:
+            dataset.targets = [1000 + i for i in range(len(dataset))]
         labels = torch.cat([labels for _, labels in loader]).tolist()
         assert loader.epoch_ledger.feed.backend.ahead == {"taken": 0, "dropped": 1}
     assert sorted(labels) == [1000 + i for i in range(len(dataset))]
