@@ -222,16 +222,18 @@ class _Feeder:
             k = self._next - len(self._batches)
             indices = self._batches[self._next] if k < 0 else self.ahead[k]
             self._pending.append((indices, self._pool.submit(_fetch_batch, self._cached, self._read_target,
-                                                             indices)))
+                                                             indices), k >= 0))
             self._next += 1
 
     def __call__(self):
         if not self._pending:
             raise StopIteration
-        indices, future = self._pending.popleft()
+        indices, future, fetched_ahead = self._pending.popleft()
         ahead = self._fed >= len(self._batches)
         try:
             encoded, columns, row = future.result()
+            if fetched_ahead and not ahead:  # fetched before its epoch started: its targets as they are now
+                columns = _target_columns(self._read_target, indices)
             fed = (encoded, *columns)
         except Exception:
             if not ahead:
@@ -248,8 +250,9 @@ class _Feeder:
 
     def take_over(self, batches: list[list[int]], plan_ahead) -> bool:
         """At the next epoch's start, with this epoch's batches all out of DALI: if its plan ``batches`` starts
-        with the batches drawn ahead and their targets are still those fetched, go on with it (the batches fed
-        ahead are its first) and return True."""
+        with the batches drawn ahead and the targets fed with them are still the dataset's, go on with it (the
+        batches fed ahead are its first; those fetched ahead and not fed get their targets read again when
+        fed) and return True."""
         if self._spoiled or batches[:len(self.ahead)] != self.ahead or not self._targets_kept():
             return False
         done = len(self._batches)
@@ -261,15 +264,11 @@ class _Feeder:
         return True
 
     def _targets_kept(self) -> bool:
-        """Whether the targets of the batches fetched ahead are still the dataset's (a training loop may
+        """Whether the targets fed with the batches ahead are still the dataset's (a training loop may
         relabel samples between epochs)."""
         fed = list(self.in_flight)[len(self.in_flight) - self.fed_ahead():]
-        checks = [(indices, list(fed_batch[1:])) for indices, fed_batch in fed]
-        for indices, future in self._pending:
-            if future.exception() is not None:  # fetched again in its epoch, and failing there
-                return False
-            checks.append((indices, future.result()[1]))
-        return all(_same_columns(columns, _target_columns(self._read_target, indices)) for indices, columns in checks)
+        return all(_same_columns(list(fed_batch[1:]), _target_columns(self._read_target, indices))
+                   for indices, fed_batch in fed)
 
     def replan(self, batches: list[list[int]], plan_ahead) -> int:
         """At the next epoch's start, with this epoch's batches all out of DALI and the plan ahead not taken
@@ -285,7 +284,7 @@ class _Feeder:
     def close(self) -> None:
         """Cancel the fetches not started and wait for those running: none of them runs after. The reads of
         those that ran are counted, without samples (their batches are not fed)."""
-        futures = [future for _, future in self._pending]
+        futures = [future for _, future, _ in self._pending]
         for future in futures:
             future.cancel()
         concurrent.futures.wait(futures)

@@ -139,17 +139,19 @@ def test_the_plan_ahead_is_drawn_with_the_ramp_left_and_fed_after_the_epoch_coun
     assert _counted(cached, SAMPLES) == 12 + 2 * len(following)
 
 
-def test_targets_changed_since_they_were_fetched_ahead_are_not_taken_over():
-    """A training loop relabelling samples between epochs: the batches fetched ahead carry the old labels."""
+def test_targets_changed_since_they_were_fetched_ahead_are_read_again():
+    """A training loop relabelling samples between epochs: a batch fed ahead with the old labels is not taken
+    over; one fetched ahead and not yet fed gets its labels read again when fed."""
     this, following, labels = _plans(3, 0), _plans(4, 20), {}
     feeder, _, _ = _feeder(this, following, labels=labels)
     assert _feed(feeder, 4) == this + following[:1]
     feeder._pending[0][1].result()  # following[1] fetched
-    for relabelled in (following[0][0], following[1][1]):  # fed ahead; fetched ahead, not fed
-        labels[relabelled] = 99
-        assert not feeder.take_over(following, None)
-        labels.clear()
+    labels[following[0][0]] = 99
+    assert not feeder.take_over(following, None)
+    labels.clear()
+    labels[following[1][1]] = 99
     assert feeder.take_over(following, None)
+    assert _feed(feeder, 1) == [[following[1][0], 99]]
 
 
 def test_another_plan_drops_what_was_fed_ahead_and_counts_its_reads_without_samples():
