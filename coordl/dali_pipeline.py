@@ -442,6 +442,7 @@ class DaliBackend:
         except Exception:  # failed in DALI (a batch fed ahead, or this plan's, which fails again in its epoch)
             self.discard()
             return False
+
     def _end_feeder(self) -> None:
         if self._feeder is not None:
             self._feeder.close()
