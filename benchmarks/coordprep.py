@@ -37,14 +37,12 @@ the moment all K jobs have built their loaders.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import resource
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +53,7 @@ from benchmarks.metrics import spread
 from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, spread_text, write_json_and_markdown
 from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
                                     evict_files, over_budget, prepare_storage, tree_bytes)
+from coordl._proc_group import stop_group
 from coordl._sysinfo import cpu_seconds as process_cpu_seconds, descendants
 
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
@@ -232,10 +231,8 @@ def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging, epoch
                 raise RuntimeError(f"a {system} job failed (exit {proc.returncode}):\n{err.read()[-3000:]}")
         device_bytes = device_read_bytes(cgroup.counter()) - read_before if cgroup is not None else None
     finally:
-        for proc in procs:  # each job with its workers (its own session)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for proc in procs:  # each job with its workers (its own session), and torch's segments they left
+            stop_group(proc, grace_s=0)
         if system.startswith("coordl"):  # jobs killed early leave their group behind; none is alive now
             from coordl.coord_prep import group_segment_name, remove_group
             remove_group(group_segment_name(group))

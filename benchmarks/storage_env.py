@@ -26,6 +26,8 @@ import tempfile
 import threading
 import time
 
+from coordl._proc_group import remove_torch_segments, stop_group, watch
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 PREFIX = "coordl-bench"
 HEADROOM_BYTES = 48 * 2**20
@@ -382,6 +384,7 @@ class Cgroup:
 def remove_cgroup_dir(path: str, wake=None) -> None:
     """SIGKILL every process left in cgroup folder ``path`` (calling ``wake()`` if there were any), then
     remove it; retries while its tasks exit, for up to 5 s."""
+    killed = set()
     for _ in range(100):
         try:
             with open(os.path.join(path, "cgroup.procs")) as f:
@@ -389,14 +392,16 @@ def remove_cgroup_dir(path: str, wake=None) -> None:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            killed.update(pids)
             if pids and wake is not None:
                 wake()
             os.rmdir(path)
-            return
+            break
         except FileNotFoundError:
-            return
+            break
         except OSError:  # tasks still exiting
             time.sleep(0.05)
+    remove_torch_segments(killed)
 
 
 def device_read_bytes(counter: dict) -> int:
@@ -542,14 +547,13 @@ def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) ->
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
     follower = MemoryFollower(cgroup).start() if cgroup else None
-    timed_out, memory = False, {}
+    timed_out, memory, seen = False, {}, set()
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        out, err = watch(proc, seen, timeout_s, wait=proc.communicate)
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's workers, if it left any
+        stop_group(proc, seen, grace_s=0)  # the child's workers, if it left any, and torch's segments they left
         if follower:
             memory = follower.stop()
     if timed_out:

@@ -6,7 +6,6 @@ nothing it started is left running or in ``/dev/shm`` (also not a segment torch 
 in a process the end of the phase killed).
 """
 
-import contextlib
 import dataclasses
 import glob
 import json
@@ -18,8 +17,8 @@ import sys
 import tempfile
 import time
 
+from coordl._proc_group import WATCH_S, stop_group, watch
 from coordl._shm import SHM_DIR_ENV, shm_dir
-from coordl._sysinfo import descendants, proc_stat
 from coordl.analyzer import phases
 from coordl.analyzer.model import Pipeline
 
@@ -30,11 +29,6 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
 STOP_GRACE_S = 5.0
 RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R")
 """The rates (samples/s) a phase's result may hold."""
-WATCH_S = 0.2
-"""How often the runner notes the processes a phase has started, so that a segment torch left for one that
-has since ended (a worker stopped as it was sending a batch) is removed with the phase."""
-TORCH_SHM = "/dev/shm"
-"""Where torch's ``shm_open`` puts the segments that carry tensors between processes."""
 
 
 class PhaseFailed(RuntimeError):
@@ -73,7 +67,7 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
             try:
                 status = _wait(proc, started, timeout_s, phase, say, lambda: _ranks_done(result_path), seen)
             finally:
-                _stop_group(proc, seen)
+                stop_group(proc, seen, STOP_GRACE_S)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     markers = glob.glob(glob.escape(result_path) + "*" + phases.CLAIMED)
@@ -113,9 +107,8 @@ def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, 
     running. Every :data:`WATCH_S` the processes the command has started go into ``seen``."""
     said, done_since = started, None
     while True:
-        seen |= descendants(proc.pid)
         try:
-            return proc.wait(timeout=WATCH_S)
+            return watch(proc, seen, WATCH_S)
         except subprocess.TimeoutExpired:
             now = time.monotonic()
             if now - started > timeout_s:
@@ -127,56 +120,6 @@ def _wait(proc: subprocess.Popen, started: float, timeout_s: float, phase: str, 
             if now - said >= 10:
                 said = now
                 say(f"  ... {phase}: {now - started:.0f} s")
-
-
-def _stop_group(proc: subprocess.Popen, seen: set[int]) -> None:
-    """End whatever the phase started (its workers, a peer server, torchrun's ranks): SIGTERM, then SIGKILL;
-    then remove the segments torch left in ``/dev/shm`` for a process that ended as it made one: one of the
-    group, or one of ``seen`` (processes the phase started, some ended before)."""
-    stopped = {proc.pid} | seen
-    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
-        stopped |= _members(proc.pid)
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader, else its zombie keeps the group alive
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-    if proc.poll() is None:
-        proc.wait()
-    # torch names a tensor's segment torch_<pid>_... and unlinks it once mapped: one left by an ended process is
-    # a leak (a pid in use again is another process's now, and so are its segments)
-    for pid in (p for p in stopped if _ended(p)):
-        for path in glob.glob(os.path.join(TORCH_SHM, f"torch_{pid}_*")):
-            with contextlib.suppress(OSError):
-                os.remove(path)
-
-
-def _ended(pid: int) -> bool:
-    """Whether process ``pid`` has ended (gone, or a zombie not reaped yet)."""
-    try:
-        return proc_stat(pid)[0] == "Z"
-    except OSError:
-        return True
-
-
-def _members(group: int) -> set[int]:
-    """The processes of process group ``group`` now (``/proc/<pid>/stat``)."""
-    pids = set()
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        pid = int(stat.split("/")[2])
-        try:
-            if int(proc_stat(pid)[2]) == group:
-                pids.add(pid)
-        except OSError:  # gone meanwhile
-            continue
-    return pids
 
 
 def _rank_results(result_path: str) -> list[dict]:

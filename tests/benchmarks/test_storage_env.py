@@ -169,6 +169,40 @@ def test_a_hung_child_is_killed_at_its_limit_with_its_workers_and_its_output_kep
     assert _procs.command_lines(lambda cmd: "hung-child" in cmd or "time.sleep(600)" in cmd) == []
 
 
+_LEAVES_SEGMENTS = """
+import os, sys, time
+tag, made = sys.argv[1], sys.argv[2]
+worker = os.fork()
+if worker == 0:  # a worker that ends on its own as torch has made a tensor's segment, before unlinking it
+    open(f"/dev/shm/torch_{os.getpid()}_{tag}_0", "wb").close()
+    time.sleep(1.0)
+    os._exit(0)
+os.waitpid(worker, 0)
+if os.fork() == 0:  # a worker still collating when its job exits: stopped with the job's process group
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1), os.dup2(devnull, 2)  # the job's output ends with the job
+    open(f"/dev/shm/torch_{os.getpid()}_{tag}_1", "wb").close()
+    open(made, "w").close()
+    time.sleep(600)
+while not os.path.exists(made):
+    time.sleep(0.01)
+"""
+
+
+def test_the_segments_torch_left_for_a_childs_processes_go_with_it(tmp_path):
+    """torch unlinks a tensor's segment once mapped: a worker ended in between leaves it. The child's, noted while
+    it ran or stopped with its group, are removed; a live process's stays."""
+    tag = f"bench-test-{os.getpid()}"
+    alive = f"/dev/shm/torch_{os.getpid()}_{tag}_2"
+    open(alive, "wb").close()
+    try:
+        result = run_child([sys.executable, "-c", _LEAVES_SEGMENTS, tag, str(tmp_path / "made")], 60)
+        assert result.returncode == 0 and not result.timed_out and (tmp_path / "made").exists(), result.stderr
+        assert [p for p in os.listdir("/dev/shm") if tag in p] == [os.path.basename(alive)]
+    finally:
+        os.remove(alive)
+
+
 def _tree(root, files: int, size: int) -> list[str]:
     root.mkdir()
     paths = [str(root / f"f{i:03d}") for i in range(files)]
