@@ -23,7 +23,8 @@ A system's stall is the paper's differential one, ``1 - samples/s / G``, beside 
 itself waited for batches (``wait_s``, ``iter()`` included) and of that, for each epoch's first batch
 (``first_wait_s``: the epoch's edge, where a pipeline that restarts each epoch fills). ``results.json``
 (every epoch of every trial), ``setup.json`` (GPU, driver, versions, git SHA, settings) and
-``results.md`` (medians with min-max) go to ``--out``.
+``results.md`` (medians with min-max; the epochs' edges, :func:`epoch_edge_s`, with their quartiles) go to
+``--out``; ``python -m benchmarks.gpu_stall edges DIR [DIR ...]`` gives the edges again for earlier runs.
 
 With ``--analyze``, ``coordl analyze`` also runs on the ``coordl`` and ``coordl-dali`` jobs
 (``python -m benchmarks.gpu_stall job ...``, the same loop) and its prediction is set beside the
@@ -202,10 +203,27 @@ def make_dataset(root: str, images: int, processes: int) -> None:
         shutil.rmtree(part_root)
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def epoch_edge_s(row: dict, batch_size: int) -> float:
+    """How much longer an epoch's loop waited for its first batch than for each of its other batches, on
+    average (the epoch's edge; its batches counted from its samples: no loader here drops the last)."""
+    batches = -(-row["samples"] // batch_size)
+    rest = (row["wait_s"] - row["first_wait_s"]) / (batches - 1) if batches > 1 else 0.0
+    return row["first_wait_s"] - rest
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Lower quartile, median and upper quartile (one value: itself thrice)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return q1, q2, q3
+
+
+def summarize(rows: list[dict], batch_size: int) -> list[dict]:
     """Per system and step: the median over trials of the steady epochs' samples/s, with min and max,
-    the stall against ``G``, the loop's waiting share, and the share of its epochs' time it waited for
-    their first batches (``edge_fraction``)."""
+    the stall against ``G``, the loop's waiting share, the share of its epochs' time it waited for
+    their first batches (``edge_fraction``), and the first batch's extra wait (:func:`epoch_edge_s`) over
+    all steady epochs of all trials, in ms: median and quartiles (``edge_ms``, ``edge_ms_q1``, ``edge_ms_q3``)."""
     def steady_rate(trial_rows):
         steady = [r for r in trial_rows if r["epoch"] > 1]
         time_s = sum(r["time_s"] for r in steady)
@@ -215,13 +233,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     keys = sorted({(r["system"], r["step"]) for r in rows}, key=lambda k: (k[1] != "resnet18", SYSTEMS.index(k[0])))
     out = []
     for system, step in keys:
-        trials = sorted({r["trial"] for r in rows if (r["system"], r["step"]) == (system, step)})
-        rates = [steady_rate([r for r in rows if (r["system"], r["step"], r["trial"]) == (system, step, t)])
-                 for t in trials]
+        own = [r for r in rows if (r["system"], r["step"]) == (system, step)]
+        trials = sorted({r["trial"] for r in own})
+        rates = [steady_rate([r for r in own if r["trial"] == t]) for t in trials]
+        edge = _quartiles([1000 * epoch_edge_s(r, batch_size) for r in own if r["epoch"] > 1] or [0.0])
         out.append({"system": system, "step": step, "samples_per_s": statistics.median(r for r, _, _ in rates),
                     "min": min(r for r, _, _ in rates), "max": max(r for r, _, _ in rates),
                     "wait_fraction": statistics.median(w for _, w, _ in rates),
-                    "edge_fraction": statistics.median(e for _, _, e in rates), "trials": len(rates)})
+                    "edge_fraction": statistics.median(e for _, _, e in rates),
+                    "edge_ms_q1": edge[0], "edge_ms": edge[1], "edge_ms_q3": edge[2], "trials": len(rates)})
     g = next((s["samples_per_s"] for s in out if s["system"] == "synthetic"), None)
     for s in out:
         s["stall"] = 1 - s["samples_per_s"] / g if g and s["step"] == "resnet18" else None
@@ -277,15 +297,52 @@ def setup(args) -> dict:
     return info
 
 
+def _edge_text(s: dict) -> str:
+    return f"{s['edge_ms']:+.1f} [{s['edge_ms_q1']:+.1f} to {s['edge_ms_q3']:+.1f}]"
+
+
+def edges(argv: list[str]) -> None:
+    """``python -m benchmarks.gpu_stall edges DIR [DIR ...]``: the runs' epoch edges again from their
+    ``results.json`` and ``setup.json`` (runs written before the summary had them included), then, for several
+    runs, every steady epoch of them all pooled."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stall edges", description=edges.__doc__)
+    parser.add_argument("dirs", nargs="+", help="--out folders of earlier runs")
+    folders, pooled = parser.parse_args(argv).dirs, {}
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, "results.json")) as f:
+                rows = json.load(f)["epochs"]
+            with open(os.path.join(folder, "setup.json")) as f:
+                batch_size = json.load(f)["settings"]["batch_size"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"{folder}: not a benchmarks.gpu_stall run ({type(e).__name__}: {e})") from e
+        print(f"{folder}:")
+        for s in summarize(rows, batch_size):
+            own = [r for r in rows if (r["system"], r["step"]) == (s["system"], s["step"])]
+            ends = {r["trial"]: r for r in own}.values()  # each trial's last epoch: its counts of plans ahead
+            ahead = f"  on the plan drawn ahead {sum(r['ahead_taken'] for r in ends)}, on another " \
+                f"{sum(r['ahead_dropped'] for r in ends)}" if "ahead_taken" in own[-1] else ""
+            print(f"  {s['system']:12s} {s['step']:8s} {s['samples_per_s']:7.0f} [{s['min']:.0f}-{s['max']:.0f}] "
+                  f"samples/s  edge {_edge_text(s)} ms{ahead}")
+            pooled.setdefault((s["system"], s["step"]), []).extend(
+                1000 * epoch_edge_s(r, batch_size) for r in own if r["epoch"] > 1)
+    if len(folders) > 1:
+        print("pooled:")
+        for (system, step), values in pooled.items():
+            q1, q2, q3 = _quartiles(values)
+            print(f"  {system:12s} {step:8s} edge {q2:+.1f} [{q1:+.1f} to {q3:+.1f}] ms over {len(values)} epochs")
+
+
 def write_markdown(path: str, summary: list[dict], analyses: list[dict], failed: dict, setup_info: dict) -> None:
     lines = [f"GPU: {setup_info['gpu']}; {setup_info['summary']}; torch {setup_info['torch']}, "
              f"DALI {setup_info['nvidia.dali']}; git {setup_info['git_sha']}", "",
-             "| system | step | samples/s (median [min-max]) | stall vs G | loop waiting | of it, first batches |",
-             "|---|---|---|---|---|---|"]
+             "| system | step | samples/s (median [min-max]) | stall vs G | loop waiting | of it, first batches "
+             "| first batch's extra wait, ms (median [quartiles]) |", "|---|---|---|---|---|---|---|"]
     for s in summary:
         stall = f"{100 * s['stall']:.1f}%" if s["stall"] is not None else "-"
         lines.append(f"| {s['system']} | {s['step']} | {s['samples_per_s']:.0f} [{s['min']:.0f}-{s['max']:.0f}] "
-                     f"| {stall} | {100 * s['wait_fraction']:.1f}% | {100 * s['edge_fraction']:.1f}% |")
+                     f"| {stall} | {100 * s['wait_fraction']:.1f}% | {100 * s['edge_fraction']:.1f}% "
+                     f"| {_edge_text(s)} |")
     lines += [f"\n{system} failed: {error}" for system, error in failed.items()]
     if analyses:
         lines += ["", "| analyzed job | predicted | measured | error | bottleneck | Q | contention | analysis s |",
@@ -307,6 +364,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["job"]:
         job(argv[1:])
+        return 0
+    if argv[:1] == ["edges"]:
+        edges(argv[1:])
         return 0
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stall", description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=4096)
@@ -364,7 +424,7 @@ def main(argv=None) -> int:
                     f"{trial_rows[-1]['ahead_dropped']})" if "ahead_taken" in trial_rows[-1] else ""
                 print(f"trial {trial} {system:12s} step={kind:8s} " + " ".join(
                     f"{r['samples_per_s']:7.0f}" for r in trial_rows) + " samples/s" + ahead, flush=True)
-        summary = summarize(rows)
+        summary = summarize(rows, args.batch_size)
         analyses = []
         for system in [s for s in args.analyze.split(",") if s]:
             if system in systems and system not in failed:

@@ -26,14 +26,50 @@ def test_the_summary_counts_steady_epochs_takes_the_median_trial_and_the_stall_a
             + _epochs("torch", "resnet18", 0, [5, 1000, 1000], 0.5, 0.2)
             + _epochs("torch", "resnet18", 1, [5, 3000, 3000])
             + _epochs("torch", "resnet18", 2, [5, 2000, 2000], 0.25, 0.1) + _epochs("dali", "none", 0, [7, 9000]))
-    summary = {(s["system"], s["step"]): s for s in summarize(rows)}
+    summary = {(s["system"], s["step"]): s for s in summarize(rows, batch_size=100)}
     assert summary["synthetic", "resnet18"]["samples_per_s"] == pytest.approx(4000)  # epoch 1 left out
     torch_row = summary["torch", "resnet18"]
     assert (torch_row["samples_per_s"], torch_row["min"], torch_row["max"]) == pytest.approx((2000, 1000, 3000))
     assert torch_row["stall"] == pytest.approx(0.5) and torch_row["wait_fraction"] == pytest.approx(0.25)
     assert torch_row["edge_fraction"] == pytest.approx(0.1)  # the median of the trials' 0.2, 0 and 0.1
     assert summary["dali", "none"]["stall"] is None  # no step: nothing to stall
-    assert [s["system"] for s in summarize(rows)] == ["synthetic", "torch", "dali"]
+    assert [s["system"] for s in summarize(rows, batch_size=100)] == ["synthetic", "torch", "dali"]
+
+
+def _edged(trial, first_waits, rest_wait, batches=4, batch_size=10, system="coordl-dali"):
+    """Epochs of ``batches`` batches (the last one short) whose first waits are ``first_waits`` and whose other
+    batches wait ``rest_wait`` each."""
+    samples = (batches - 1) * batch_size + 3
+    return [{"system": system, "step": "none", "trial": trial, "epoch": k + 1, "samples": samples, "time_s": 1.0,
+             "wait_s": first + (batches - 1) * rest_wait, "first_wait_s": first, "ahead_taken": k,
+             "ahead_dropped": 0} for k, first in enumerate(first_waits)]
+
+
+def test_an_epochs_edge_is_its_first_batchs_wait_beyond_the_others_and_the_summary_takes_its_quartiles():
+    assert gpu_stall.epoch_edge_s(_edged(0, [0.05], 0.01)[0], batch_size=10) == pytest.approx(0.04)
+    assert gpu_stall.epoch_edge_s(_edged(0, [0.05], 0.01, batches=1)[0], batch_size=10) == pytest.approx(0.05)
+    # epoch 1 of each trial (a first wait of 1 s) is left out; the steady epochs' edges are 1, 3, 5, 0, 2, 6 ms
+    rows = _edged(0, [1.0, 0.011, 0.013, 0.015], 0.01) + _edged(1, [1.0, 0.010, 0.012, 0.016], 0.01)
+    s, = summarize(rows, batch_size=10)
+    assert (s["edge_ms_q1"], s["edge_ms"], s["edge_ms_q3"]) == pytest.approx((0.75, 2.5, 5.25))
+
+
+def test_edges_summarizes_earlier_runs_one_by_one_and_pooled(tmp_path, capsys):
+    runs = {"a": _edged(0, [1.0, 0.012, 0.012], 0.01) + _edged(0, [1.0, 0.01, 0.01], 0.01, system="dali"),
+            "b": _edged(0, [1.0, 0.05, 0.05], 0.01) + _edged(0, [1.0, 0.01, 0.01], 0.01, system="dali")}
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"epochs": rows}))
+        (tmp_path / name / "setup.json").write_text(json.dumps({"settings": {"batch_size": 10}}))
+    assert gpu_stall.main(["edges", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    a_row = next(line for line in out[out.index(f"{tmp_path / 'a'}:"):] if "coordl-dali" in line)
+    assert "edge +2.0 [+2.0 to +2.0] ms  on the plan drawn ahead 2, on another 0" in a_row
+    pooled = out[out.index("pooled:"):]
+    assert any("coordl-dali" in line and "edge +21.0 [+2.0 to +40.0] ms over 4 epochs" in line for line in pooled)
+    assert any("dali " in line and "edge +0.0 [+0.0 to +0.0] ms over 4 epochs" in line for line in pooled)
+    with pytest.raises(SystemExit, match="not a benchmarks.gpu_stall run"):
+        gpu_stall.main(["edges", str(tmp_path)])
 
 
 @pytest.mark.parametrize("each_epoch", [False, True])
@@ -95,3 +131,7 @@ def test_the_dali_loaders_alone_and_coordl_dalis_epochs_on_the_plan_drawn_ahead(
     coordl_dali = [r for r in rows if r["system"] == "coordl-dali"]
     assert [(r["ahead_taken"], r["ahead_dropped"]) for r in coordl_dali] == [(0, 0), (1, 0), (2, 0)]
     assert "epochs on the plan drawn ahead: 2, on another: 0" in run.stdout
+    assert "first batch's extra wait" in (out / "results.md").read_text()
+    edges = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stall", "edges", str(out)], cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=60)
+    assert edges.returncode == 0 and "on the plan drawn ahead 2, on another 0" in edges.stdout, edges.stderr
