@@ -40,6 +40,13 @@ SLACK_BYTES = 4 * 2**20
 """How far above its budget a group's page cache may get before it is squeezed back: the file
 pages of libraries and output a run touches besides the dataset, and what is read between two
 updates."""
+FOLLOW_INTERVAL_S = 0.02
+FOLLOW_MIN_INTERVAL_S = 0.005
+FOLLOW_READ_BYTES = 2**20
+"""A :class:`MemoryFollower` updates its group's bound every :data:`FOLLOW_INTERVAL_S`, or more often where
+the throttle lets more than :data:`FOLLOW_READ_BYTES` through in that time (down to
+:data:`FOLLOW_MIN_INTERVAL_S`): at 200 MB/s DALI's reader got up to 6 MiB past its budget and slack
+between two updates 20 ms apart."""
 FOLLOW_WINDOW_S = 0.1
 """The bound follows the most held in this last stretch, so that a batch's memory freed and taken
 again is not handed to the page cache and back (a longer window lets the page cache read into the
@@ -48,7 +55,8 @@ BUDGET_TOLERANCE = 0.05
 BUDGET_TOLERANCE_MIN_BYTES = 3 * 2**20
 """A run's page cache may exceed its budget plus :data:`SLACK_BYTES` by this fraction of the budget, or
 by :data:`BUDGET_TOLERANCE_MIN_BYTES` if that is more, at its 99th percentile (the throttle lets reads
-through in bursts, and a squeeze comes up to 20 ms after them); beyond, the run is over budget."""
+through in bursts, and a squeeze comes up to one :func:`follow_interval_s` after them); beyond, the run is
+over budget."""
 LOOP_TOOLS = ("losetup", "mkfs.ext4", "mount", "umount")
 FS_BLOCK = 4096
 UNMOUNT_TRIES_S = 10
@@ -278,7 +286,7 @@ class Cgroup:
 
     def __init__(self, name: str, version: int, device: str, read_bps: int, page_cache_bytes: int | None,
                  shm_reserve_bytes: int = 0, read_iops: int | None = None, headroom_bytes: int = HEADROOM_BYTES):
-        self.version, self.device, self.read_iops = version, device, read_iops
+        self.version, self.device, self.read_bps, self.read_iops = version, device, read_bps, read_iops
         self.page_cache_bytes, self.shm_reserve_bytes = page_cache_bytes, shm_reserve_bytes
         self.headroom_bytes = headroom_bytes
         if version == 1:
@@ -484,9 +492,18 @@ class ChildResult:
     memory: dict
 
 
+def follow_interval_s(read_bps: int | None) -> float:
+    """How often a :class:`MemoryFollower` updates a group whose reads are throttled to ``read_bps``
+    (see :data:`FOLLOW_INTERVAL_S`)."""
+    if not read_bps:
+        return FOLLOW_INTERVAL_S
+    return min(FOLLOW_INTERVAL_S, max(FOLLOW_MIN_INTERVAL_S, FOLLOW_READ_BYTES / read_bps))
+
+
 class MemoryFollower:
-    """While started, every 20 ms: moves ``cgroup``'s memory bound to what its processes hold (the most in
-    the last :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`).
+    """While started, every :func:`follow_interval_s` (20 ms where reads are throttled to 52 MB/s or less):
+    moves ``cgroup``'s memory bound to what its processes hold (the most in the last
+    :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`).
 
     With ``measure_now=False`` the group is not bounded, and not sampled, until :meth:`measure`: its
     processes start up (import their libraries, build their loaders) at full speed, and the bound and
@@ -496,6 +513,7 @@ class MemoryFollower:
         self.cgroup, self.samples, self.limit_hits = cgroup, [], None
         self._done, self._measuring = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._interval_s = follow_interval_s(cgroup.read_bps)
         self._started, self._hits_before = time.monotonic(), 0
         if measure_now:
             self._measuring.set()
@@ -504,7 +522,7 @@ class MemoryFollower:
         with contextlib.suppress(OSError):  # not preempted between a squeeze and the bound after it
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))  # (this thread only)
         recent = collections.deque()  # (time, held)
-        while not self._done.wait(0.02):
+        while not self._done.wait(self._interval_s):
             with contextlib.suppress(OSError):
                 held, shmem, page_cache = self.cgroup.memory()
                 if not self._measuring.is_set():

@@ -259,6 +259,36 @@ def test_a_page_cache_over_its_budget_is_squeezed_back_at_once(tmp_path, reserve
     assert storage_env.over_budget(result.memory, 0) is None
 
 
+class _CountingGroup:
+    """A stand-in for a :class:`storage_env.Cgroup` that counts the follower's updates."""
+
+    def __init__(self, read_bps: int):
+        self.read_bps, self.updates = read_bps, 0
+
+    def memory(self) -> tuple[int, int, int]:
+        return 0, 0, 0
+
+    def bound(self, *args) -> None:
+        self.updates += 1
+
+    def limit_hits(self) -> None:
+        return None
+
+    def lift(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("read_bps, least, most", [(10_000_000, 8, 16), (200_000_000, 30, 70)])
+def test_the_bound_follows_a_faster_throttle_more_often(read_bps, least, most):
+    """Every 20 ms up to 52 MB/s; at 200 MB/s every 5.2 ms (one update per MiB the throttle lets
+    through), so that a fast reader's page cache is squeezed back before it reads much past its budget."""
+    group = _CountingGroup(read_bps)
+    follower = MemoryFollower(group).start()
+    time.sleep(0.3)
+    follower.stop()
+    assert least <= group.updates <= most, group.updates
+
+
 def _memory_limit(group) -> int:
     name = "memory.limit_in_bytes" if group.version == 1 else "memory.high"
     value = open(os.path.join(group.dirs[0], name)).read().strip()
