@@ -486,6 +486,14 @@ class Segment:
         return mmap.mmap(self._map_fd, length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset,
                          **extra)
 
+    def write_at(self, offset: int, data) -> None:
+        """Write ``data`` (a contiguous buffer) at ``offset`` through the segment's file, not its mapping:
+        the kernel fills the file's pages directly, with no page faulted into this process."""
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self._map_fd, view, offset)
+            view, offset = view[written:], offset + written
+
     @property
     def size(self) -> int:
         return len(self.buf)

@@ -180,7 +180,7 @@ class _Producer:
         elif seq != ALONE:
             segment = self.group.create_staged(seq, encoded.nbytes)
             try:
-                _batch_codec.write(encoded, segment.buf, self.epoch, batch_id)
+                _batch_codec.write(encoded, segment.buf, self.epoch, batch_id, write_at=segment.write_at)
             finally:
                 segment.close()
         if seq != ALONE and not self.group.commit(self.epoch, batch_id, seq):

@@ -30,29 +30,41 @@ def _shm_full(size: int, free: int) -> Exception:
     return AssertionError(f"/dev/shm cannot hold a test segment of {size} bytes ({free} free)")
 
 
-def _round_trip(batch, epoch=2, batch_id=7, mapped=False):
+def _round_trip(batch, epoch=2, batch_id=7, mapped=False, through_file=False):
     encoded = _batch_codec.encode(batch)
     segment = create_unlocked(f"cdl_test_{secrets.token_hex(4)}_s0", encoded.nbytes, _shm_full)
     try:
-        _batch_codec.write(encoded, segment.buf, epoch, batch_id)
+        _batch_codec.write(encoded, segment.buf, epoch, batch_id, write_at=segment.write_at if through_file else None)
         return _batch_codec.read(segment.buf, epoch, batch_id, map_range=segment.private_map if mapped else None)
     finally:
         segment.unlink()
         segment.close()  # mapped tensors keep their own mappings
 
 
+@pytest.mark.parametrize("through_file", [False, True])
 @pytest.mark.parametrize("mapped", [False, True])
-def test_staged_batches_keep_structure_dtypes_and_values(mapped, monkeypatch):
+def test_staged_batches_keep_structure_dtypes_and_values(mapped, through_file, monkeypatch):
     monkeypatch.setattr(_batch_codec, "MAP_MIN_BYTES", 1)  # with mapped=True, map every non-empty tensor
     batch = (torch.randn(3, 4), torch.arange(5), torch.randn(4, 4).t(), torch.zeros(0),
              torch.randn(2, 2).to(torch.bfloat16), torch.tensor(True),
              {"names": ["a", "b"], 3: np.arange(6, dtype=np.float16).reshape(2, 3), "none": None, "x": 1.5})
-    out = _round_trip(batch, mapped=mapped)
+    out = _round_trip(batch, mapped=mapped, through_file=through_file)
     assert isinstance(out, tuple) and len(out) == len(batch)
     for got, want in zip(out[:6], batch[:6]):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert out[6]["names"] == ["a", "b"] and out[6]["none"] is None and out[6]["x"] == 1.5
     assert isinstance(out[6][3], np.ndarray) and np.array_equal(out[6][3], batch[6][3])
+
+
+def test_a_batch_written_through_the_file_survives_short_writes(monkeypatch):
+    """``Segment.write_at`` goes on where ``pwrite`` stopped: here it writes at most 1000 bytes a call."""
+    from coordl import _shm
+
+    pwrite = os.pwrite
+    monkeypatch.setattr(_shm.os, "pwrite", lambda fd, data, offset: pwrite(fd, bytes(data[:1000]), offset))
+    batch = (torch.randn(3, 50, 7), torch.arange(900))
+    out = _round_trip(batch, through_file=True)
+    assert all(torch.equal(got, want) for got, want in zip(out, batch))
 
 
 def test_an_encoded_batch_holds_its_arrays_only_while_referenced():
