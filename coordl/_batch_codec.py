@@ -120,7 +120,7 @@ def write(encoded: Encoded, buf, epoch: int, batch: int, write_at=None) -> None:
     taken over, on the training process's intra-op threads). With ``write_at(offset, data)``
     (``Segment.write_at``: the file behind a fresh ``buf``) the other tensors' bytes go through it
     instead, also with the GIL released: writing a new segment's pages through its file spares faulting
-    each into this process (a batch of images in a third less CPU, ``results/staging-cost-*``)."""
+    each into this process (a batch of images in a third less CPU, ``results/staging-cost-e49389b``)."""
     stamp(buf, epoch, batch)
     np.ndarray((1,), np.int64, buf, 24)[0] = len(encoded.meta)
     buf[_PREFIX_BYTES:_PREFIX_BYTES + len(encoded.meta)] = encoded.meta
