@@ -492,6 +492,8 @@ class Segment:
         view = memoryview(data).cast("B")
         while view:
             written = os.pwrite(self._map_fd, view, offset)
+            if not written:
+                raise OSError(errno.EIO, f"segment {self.name}: nothing written at offset {offset}")
             view, offset = view[written:], offset + written
 
     @property

@@ -67,6 +67,14 @@ def test_a_batch_written_through_the_file_survives_short_writes(monkeypatch):
     assert all(torch.equal(got, want) for got, want in zip(out, batch))
 
 
+def test_a_write_through_the_file_that_makes_no_progress_fails_instead_of_spinning(monkeypatch):
+    from coordl import _shm
+
+    monkeypatch.setattr(_shm.os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(OSError, match="nothing written at offset"):
+        _round_trip((torch.randn(4, 4),), through_file=True)
+
+
 def test_an_encoded_batch_holds_its_arrays_only_while_referenced():
     """No reference cycle keeps a batch's memory (for torch's worker tensors: shared memory and a descriptor
     each) until the garbage collector runs."""
