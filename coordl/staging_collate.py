@@ -113,7 +113,7 @@ class StagingCollate:
         if segment is None:
             raise StagingError(f"internal error: written batch segment {name} already exists")
         try:
-            _batch_codec.write(encoded, segment.buf, -1, -1)
+            _batch_codec.write(encoded, segment.buf, -1, -1, write_at=segment.write_at)
         except BaseException:
             segment.unlink()
             raise

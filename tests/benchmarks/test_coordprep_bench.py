@@ -88,7 +88,7 @@ def test_coordl_jobs_that_drop_the_pages_they_read_keep_none(tmp_path):
     if cgroup_version():  # every epoch from the device; the group's page cache stays below the batches being read
         assert coordl["device_read_x_dataset_per_epoch"] >= 0.99
         batch_files = result["dataset_bytes"] / result["images"] * result["batch_size"]
-        reading = result["jobs"] * batch_files  # K members read at once, each dropping a file once read: far below
+        reading = result["jobs"] * batch_files  # K members read at once (each drops a file's pages once read)
         assert coordl["peak_page_cache_bytes"] < reading < torch_jobs["peak_page_cache_bytes"]
     assert _leftovers() == before
 
