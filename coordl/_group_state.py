@@ -10,8 +10,11 @@ One segment ``cdl_<token>_group`` (token = sha256(uid, group name, layout versio
   * staging ring (``STAGING_SLOTS`` rows of int64 ``_R_*``): batch ``b`` of the current epoch occupies
     row ``b % STAGING_SLOTS`` while staged: its segment's sequence number, size, state, use mask and the
     row's version (NOTE [ Ring rows ]);
+  * spares (``SPARE_SLOTS`` rows of int64 ``_S_*``): the segments kept for reuse, by sequence number and
+    size (NOTE [ Spare segments ]);
   * owners (int16 per batch of the epoch): the member slot that prepares each batch.
-A staged batch's bytes live in their own segment ``cdl_<token>_s<seq>``, sized exactly.
+A staged batch's bytes live in their own segment ``cdl_<token>_s<seq>``, sized exactly; a spare segment
+is named ``cdl_<token>_sr<seq>``.
 
 NOTE [ Staging and use masks ]
 A batch's use counter is a bit mask of the members that used it (its producer's bit is set when it is
@@ -21,6 +24,22 @@ consumed ``b - STAGING_SLOTS`` (its ring row is then free), and only while the s
 capacity, except for the batch the slowest member needs next, which is always admitted. No batch can
 therefore block the one everybody waits for: memory stays under capacity + one batch and the group
 moves at the pace of its slowest member.
+
+NOTE [ Spare segments ]
+A new segment's pages are allocated, zeroed and, once the last member drops its mapping, freed again:
+for a batch of images that costs more CPU than writing it (``results/staging-cost-e49389b``). So a batch
+whose producer copied it into a segment of its own (``reserve(reuse=True)``: the DALI backend, another
+``collate_fn``) is not removed when freed but kept as a spare while a spare row is free: renamed
+``sr<seq>``, so that no consumer can take it again, its bytes in ``_H_SPARE_BYTES``. A producer reserving
+a batch of the same size takes a spare over (renamed to the batch's name, its pages written again) only
+once nobody maps it: every consumer takes a shared claim on a batch as it opens it, under the lock and
+before its use bit can free the row (``_shm.open_unlocked``), and the claim lasts as long as any mapping
+of the batch, in any process, SIGKILL included (``_shm.unclaimed``). So no spare is written while a
+tensor over its old batch exists. Spares nobody maps count against the capacity: a new segment that
+would not fit removes them first, oldest first, so memory stays under the capacity plus one batch as
+before. Spares still mapped hold the memory of the tensors over them, as a removed batch's pages do,
+and take no room. Rows a member was writing when it failed are removed, never kept (its thread may
+still write).
 
 NOTE [ Ring rows ]
 Rows change only under the lock, and every change to a row's batch, epoch, state or sequence number is
@@ -55,17 +74,17 @@ import time
 import numpy as np
 
 from coordl._constants import GROUP_KIND, MAX_GROUP_MEMBERS, STAGED_KIND_PREFIX, STAGING_SLOTS
-from coordl._shm import Segment, unlink_segment, unlink_segments
+from coordl._shm import Segment, rename_segment, unclaimed, unlink_segment, unlink_segments
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = int.from_bytes(b"COORDLG1", "little")
-_VERSION = 3
+_VERSION = 4
 LAYOUT_VERSION = _VERSION
 """Layout version of group segments (part of their name, so versions never share a group)."""
 (_H_MAGIC, _H_VERSION, _H_READY, _H_CREATED_NS, _H_CREATOR_PID, _H_N_BATCHES, _H_CAPACITY, _H_SEED, _H_EPOCH,
  _H_ACTIVE, _H_OPEN_SINCE_NS, _H_STAGED_BYTES, _H_PEAK_BYTES, _H_SEQ, _H_GENERATION, _H_MEMBERS,
- _H_FIRST_EPOCH) = range(17)
+ _H_FIRST_EPOCH, _H_SPARE_BYTES, _H_REUSED) = range(19)
 _HEADER_FIELDS = 64
 _LABEL_AT, _LABEL_LEN = 1024, 256
 _CONFIG_AT, _CONFIG_LEN = 1280, 2752  # up to _shm.LOCK_INFO_AT
@@ -74,10 +93,14 @@ _HEADER_BYTES = 4096
  _M_EPOCHS) = range(10)
 _MEMBER_FIELDS = 16
 _MEMBERS_AT = _HEADER_BYTES
-(_R_BATCH, _R_EPOCH, _R_STATE, _R_SEQ, _R_NBYTES, _R_USED, _R_VERSION) = range(7)
+(_R_BATCH, _R_EPOCH, _R_STATE, _R_SEQ, _R_NBYTES, _R_USED, _R_VERSION, _R_KEEP) = range(8)
 _RING_FIELDS = 8
 _RING_AT = _MEMBERS_AT + MAX_GROUP_MEMBERS * _MEMBER_FIELDS * 8
-_OWNERS_AT = _RING_AT + STAGING_SLOTS * _RING_FIELDS * 8
+SPARE_SLOTS = 8
+"""Segments a group keeps for reuse at most (NOTE [ Spare segments ])."""
+_S_SEQ, _S_NBYTES = range(2)
+_SPARES_AT = _RING_AT + STAGING_SLOTS * _RING_FIELDS * 8
+_OWNERS_AT = _SPARES_AT + SPARE_SLOTS * 2 * 8
 _FREE, _WRITING, _READY = 0, 1, 2
 
 NOT_MINE = -1
@@ -135,8 +158,10 @@ class GroupStats:
     members: tuple[MemberStats, ...]
     staged_batches: int
     staged_bytes: int
+    spare_bytes: int
     peak_staged_bytes: int
     capacity_bytes: int
+    reused: int
 
     @property
     def members_alive(self) -> int:
@@ -157,6 +182,7 @@ class GroupState:
         self.header = np.ndarray((_HEADER_FIELDS,), np.int64, buf, 0)
         self.members = np.ndarray((MAX_GROUP_MEMBERS, _MEMBER_FIELDS), np.int64, buf, _MEMBERS_AT)
         self.ring = np.ndarray((STAGING_SLOTS, _RING_FIELDS), np.int64, buf, _RING_AT)
+        self.spares = np.ndarray((SPARE_SLOTS, 2), np.int64, buf, _SPARES_AT)
         self.owners = np.ndarray((int(self.header[_H_N_BATCHES]),), np.int16, buf, _OWNERS_AT)
 
     @classmethod
@@ -409,9 +435,48 @@ class GroupState:
     def _free_row(self, row: int) -> None:
         entry = self.ring[row]
         if entry[_R_STATE] != _FREE:
-            unlink_segment(f"{self.prefix}{int(entry[_R_SEQ]):x}")
-            self.header[_H_STAGED_BYTES] -= entry[_R_NBYTES]
-        self._write_row(row, {_R_STATE: _FREE, _R_BATCH: -1, _R_EPOCH: 0, _R_SEQ: 0, _R_NBYTES: 0, _R_USED: 0})
+            seq, nbytes = int(entry[_R_SEQ]), int(entry[_R_NBYTES])
+            self.header[_H_STAGED_BYTES] -= nbytes
+            if not (entry[_R_STATE] == _READY and entry[_R_KEEP] and self._keep_spare(seq, nbytes)):
+                unlink_segment(f"{self.prefix}{seq:x}")
+        self._write_row(row, {_R_STATE: _FREE, _R_BATCH: -1, _R_EPOCH: 0, _R_SEQ: 0, _R_NBYTES: 0, _R_USED: 0,
+                              _R_KEEP: 0})
+
+    def _keep_spare(self, seq: int, nbytes: int) -> bool:
+        """Keep freed batch ``seq``'s segment as a spare, if a spare row (size 0) is free."""
+        free = np.flatnonzero(self.spares[:, _S_NBYTES] == 0)
+        if not nbytes or not len(free):
+            return False
+        try:
+            rename_segment(f"{self.prefix}{seq:x}", f"{self.prefix}r{seq:x}")
+        except (FileNotFoundError, FileExistsError):  # removed (or made) by hand
+            return False
+        self.spares[free[0]] = (seq, nbytes)
+        self.header[_H_SPARE_BYTES] += nbytes
+        return True
+
+    def _idle_spares(self) -> list[int]:
+        """The spare rows whose segment nobody maps (holds a claim on), oldest first."""
+        rows = [int(r) for r in np.argsort(self.spares[:, _S_SEQ]) if self.spares[r, _S_NBYTES]]
+        return [r for r in rows if unclaimed(f"{self.prefix}r{int(self.spares[r, _S_SEQ]):x}")]
+
+    def _drop_spare(self, row: int) -> None:
+        seq, nbytes = (int(v) for v in self.spares[row])
+        unlink_segment(f"{self.prefix}r{seq:x}")
+        self.header[_H_SPARE_BYTES] -= nbytes
+        self.spares[row] = 0
+
+    def _take_spare(self, row: int, seq: int) -> bool:
+        """Make spare ``row``'s segment the one of new batch ``seq``; False if it is gone (removed by hand)."""
+        try:
+            rename_segment(f"{self.prefix}r{int(self.spares[row, _S_SEQ]):x}", f"{self.prefix}{seq:x}")
+        except FileNotFoundError:
+            self._drop_spare(row)
+            return False
+        self.header[_H_SPARE_BYTES] -= self.spares[row, _S_NBYTES]
+        self.header[_H_REUSED] += 1
+        self.spares[row] = 0
+        return True
 
     def _free_used(self) -> None:
         """Free every staged batch that all active members have used."""
@@ -420,8 +485,13 @@ class GroupState:
             if int(self.ring[row, _R_USED]) & active == active:
                 self._free_row(int(row))
 
-    def reserve(self, slot: int, epoch: int, batch: int, nbytes: int) -> int | None:
+    def reserve(self, slot: int, epoch: int, batch: int, nbytes: int, reuse: bool = False) -> int | None:
         """A ring row for member ``slot``'s ``batch`` if it may be staged now (NOTE [ Staging and use masks ]).
+
+        With ``reuse`` (its producer writes the batch into a segment of its own), the segment is kept as a
+        spare once freed, and a spare of ``nbytes`` that nobody maps becomes this batch's segment, with
+        :meth:`reused` true (NOTE [ Spare segments ]). Spares that somebody maps hold the memory of the
+        tensors over them, not room in the staging area.
 
         Returns:
             Its segment's sequence number; None while there is no room; :data:`ALONE`; :data:`NOT_MINE`.
@@ -433,16 +503,30 @@ class GroupState:
             self.members[slot, _M_PREPARED] += 1
             return ALONE
         low, row = self._low(), batch % STAGING_SLOTS
-        fits = h[_H_STAGED_BYTES] + nbytes <= h[_H_CAPACITY] or batch <= low
-        if batch >= low + STAGING_SLOTS or self.ring[row, _R_STATE] != _FREE or not fits:
+        if batch >= low + STAGING_SLOTS or self.ring[row, _R_STATE] != _FREE:
             return None
-        h[_H_SEQ] += 1
-        seq = int(h[_H_SEQ])
+        capacity, seq, idle = int(h[_H_CAPACITY]), int(h[_H_SEQ]) + 1, self._idle_spares()
+        held = int(h[_H_STAGED_BYTES]) + sum(int(self.spares[r, _S_NBYTES]) for r in idle)
+        same = [r for r in idle if self.spares[r, _S_NBYTES] == nbytes] if reuse else []
+        taken = bool(same) and (held <= capacity or batch <= low) and self._take_spare(same[0], seq)
+        if not taken:
+            while idle and held + nbytes > capacity:  # idle spares make room first
+                held -= int(self.spares[idle[0], _S_NBYTES])
+                self._drop_spare(idle.pop(0))
+            if held + nbytes > capacity and batch > low:
+                return None
+            held += nbytes
+        h[_H_SEQ] = seq
         self._write_row(row, {_R_BATCH: batch, _R_EPOCH: epoch, _R_SEQ: seq, _R_NBYTES: nbytes, _R_USED: bit,
-                              _R_STATE: _WRITING})
+                              _R_KEEP: 2 if taken else int(reuse), _R_STATE: _WRITING})
         h[_H_STAGED_BYTES] += nbytes
-        h[_H_PEAK_BYTES] = max(h[_H_PEAK_BYTES], h[_H_STAGED_BYTES])
+        h[_H_PEAK_BYTES] = max(h[_H_PEAK_BYTES], held)
         return seq
+
+    def reused(self, batch: int, seq: int) -> bool:
+        """Whether reserved batch ``seq`` took a spare over: its segment exists already."""
+        entry = self.ring[batch % STAGING_SLOTS]
+        return bool(entry[_R_SEQ] == seq and entry[_R_KEEP] == 2)
 
     def commit(self, slot: int, epoch: int, batch: int, seq: int) -> bool:
         """Publish reserved ``batch``; False (its segment removed) if it was taken over meanwhile."""
@@ -493,5 +577,6 @@ class GroupState:
         h = self.header
         return GroupStats(name=name, label=self.label, epoch=int(h[_H_EPOCH]), n_batches=len(self.owners),
                           members=members, staged_batches=int(np.count_nonzero(self.ring[:, _R_STATE] != _FREE)),
-                          staged_bytes=int(h[_H_STAGED_BYTES]), peak_staged_bytes=int(h[_H_PEAK_BYTES]),
-                          capacity_bytes=int(h[_H_CAPACITY]))
+                          staged_bytes=int(h[_H_STAGED_BYTES]), spare_bytes=int(h[_H_SPARE_BYTES]),
+                          peak_staged_bytes=int(h[_H_PEAK_BYTES]), capacity_bytes=int(h[_H_CAPACITY]),
+                          reused=int(h[_H_REUSED]))

@@ -43,7 +43,6 @@ import mmap
 import os
 import secrets
 import struct
-import sys
 import threading
 import time
 import weakref
@@ -481,10 +480,9 @@ class Segment:
     def private_map(self, offset: int, length: int) -> mmap.mmap:
         """A copy-on-write mapping of ``length`` bytes from ``offset`` (a multiple of the page size): it
         reads the segment's bytes, its writes stay in this process, and it stays valid after
-        :meth:`close` and :meth:`unlink`, until it is garbage."""
-        extra = {"trackfd": False} if sys.version_info >= (3, 13) else {}  # else it holds a dup of the fd
-        return mmap.mmap(self._map_fd, length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset,
-                         **extra)
+        :meth:`close` and :meth:`unlink`, until it is garbage. It holds a duplicate of the segment's
+        descriptor, and with it the claim :func:`open_unlocked` took (see :func:`unclaimed`)."""
+        return mmap.mmap(self._map_fd, length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
 
     def write_at(self, offset: int, data) -> None:
         """Write ``data`` (a contiguous buffer) at ``offset`` through the segment's file, not its mapping:
@@ -549,9 +547,36 @@ def create_unlocked(name: str, size: int, full_error: Callable) -> "Segment | No
     return segment
 
 
-def open_unlocked(name: str) -> "Segment | None":
-    """Map existing plain segment ``name`` (a staged batch) without locking; None if it does not exist."""
-    return Segment._map(name, locking=False, holder_info=False)
+def open_unlocked(name: str, *, claim: bool = True) -> "Segment | None":
+    """Map existing plain segment ``name`` (a staged batch) without locking; None if it does not exist.
+
+    With ``claim``, take a shared ``flock`` on it: a claim belongs to the open file description, which
+    every mapping made from the segment (:meth:`Segment.private_map`) and every process forked meanwhile
+    shares, so it lasts until the last of them is gone, SIGKILL included. :func:`unclaimed` tells."""
+    segment = Segment._map(name, locking=False, holder_info=False)
+    if segment is not None and claim:
+        try:
+            fcntl.flock(segment._map_fd, fcntl.LOCK_SH)
+        except BaseException:
+            segment.close()
+            raise
+    return segment
+
+
+def unclaimed(name: str) -> bool:
+    """Whether plain segment ``name`` exists and no process holds a claim on it (:func:`open_unlocked`),
+    so that nobody maps it: an exclusive ``flock`` is tried, and dropped at once."""
+    try:
+        fd = os.open(segment_path(name), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # (closing drops the lock)
 
 
 def rename_segment(old: str, new: str) -> None:

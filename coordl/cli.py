@@ -89,7 +89,8 @@ def _group_ls(args) -> int:
         state = "stale" if g.members_alive == 0 else f"{g.members_alive} member(s)"
         print(f"{g.name}  group {g.label!r}: epoch {g.epoch}, {g.n_batches} batches per epoch, {state}; staging "
               f"{g.staged_batches} batch(es), {format_bytes(g.staged_bytes)} of {format_bytes(g.capacity_bytes)} "
-              f"(peak {format_bytes(g.peak_staged_bytes)})")
+              f"(peak {format_bytes(g.peak_staged_bytes)}); {format_bytes(g.spare_bytes)} in spare segments, "
+              f"{g.reused} reused")
         for m in g.members:
             where = f"in epoch {m.epoch} at batch {m.cursor}" if m.epoch else "not in an epoch yet"
             waiting = f", waiting for epoch {m.waiting_for}" if m.waiting_for else ""

@@ -169,7 +169,7 @@ class _Producer:
         if encoded is None and not written:
             encoded = _batch_codec.encode(batch)
             source.pending = (batch_id, batch, encoded)
-        seq = self.group.reserve(self.epoch, batch_id, batch.nbytes if written else encoded.nbytes)
+        seq = self.group.reserve(self.epoch, batch_id, batch.nbytes if written else encoded.nbytes, reuse=not written)
         if seq is None:
             return False
         source.pending = None

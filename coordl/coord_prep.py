@@ -145,6 +145,7 @@ class HPGroup:
         self._state = None
         self._slot = -1
         self._finalizer = None
+        self._reused: set[int] = set()  # reserved batches whose segment is a spare taken over
 
     @contextlib.contextmanager
     def _locked(self):
@@ -356,24 +357,37 @@ class HPGroup:
 
     # -- staging ---------------------------------------------------------------------------------
 
-    def reserve(self, epoch: int, batch: int, nbytes: int) -> int | None:
-        """Room for this job's ``batch`` in the staging area (see ``_group_state.GroupState.reserve``).
+    def reserve(self, epoch: int, batch: int, nbytes: int, reuse: bool = False) -> int | None:
+        """Room for this job's ``batch`` in the staging area (see ``_group_state.GroupState.reserve``); with
+        ``reuse``, the batch is written by :meth:`create_staged`, into a spare segment where one is free.
 
         Returns:
-            The sequence number of its segment, to create with :meth:`create_staged`; None while there is
+            The sequence number of its segment, to get with :meth:`create_staged`; None while there is
             no room yet; :data:`ALONE` if no other member needs it; :data:`NOT_MINE` if it is not this
             job's any more.
         """
         with self._locked() as state:
-            return state.reserve(self._slot, epoch, batch, nbytes)
+            seq = state.reserve(self._slot, epoch, batch, nbytes, reuse)
+            if seq and seq != NOT_MINE and state.reused(batch, seq):
+                self._reused.add(seq)
+            return seq
 
     def create_staged(self, seq: int, nbytes: int) -> Segment:
-        """The (unlocked) segment to write reserved batch ``seq`` into; the caller closes it.
+        """The (unlocked) segment to write reserved batch ``seq`` into: a spare taken over, else a new one;
+        the caller closes it.
 
         Raises:
             ShmCapacityError: /dev/shm is full.
+            StagingError: the spare is gone (removed by hand, e.g. ``coordl group rm --force``).
         """
         name = staged_name(self.name, seq)
+        if seq in self._reused:
+            self._reused.discard(seq)
+            segment = open_unlocked(name, claim=False)
+            if segment is None:
+                raise StagingError(f"staged batch {seq} of hp_group {self.group!r} disappeared from {shm_dir()} "
+                                   f"(was the group removed with `coordl group rm --force`?)")
+            return segment
         segment = create_unlocked(name, max(nbytes, 1), lambda size, free: ShmCapacityError(
             f"{shm_dir()} is full: cannot stage a batch of {format_bytes(size)} for hp_group {self.group!r} "
             f"({format_bytes(free)} free). Pass a smaller hp_staging_bytes=, free it "

@@ -163,7 +163,7 @@ class IndexFiles:
     """A RawBytesDataset of tiny files that hold their own index (so a test knows which sample it got).
 
     A sample is ``(index, draw, payload)``: ``draw`` is a random "augmentation" drawn at decode time, so
-    batches prepared twice differ; ``payload`` (``payload_floats`` zeros) gives batches a size.
+    batches prepared twice differ; ``payload`` (``payload_floats`` copies of the index) gives batches a size.
     ``decode_delay_s`` makes preparation slow.
     """
 
@@ -194,7 +194,8 @@ class IndexFiles:
         draw = torch.rand(())
         if self.transform is not None:
             draw = self.transform(draw)
-        return torch.tensor(int.from_bytes(raw, "little")), draw, torch.zeros(self.payload_floats)
+        index = int.from_bytes(raw, "little")
+        return torch.tensor(index), draw, torch.full((self.payload_floats,), float(index))
 
     def __getitem__(self, index: int):
         with open(self.files[index], "rb") as f:
@@ -240,6 +241,13 @@ def hp_dali_job(root: str, n: int, group: str, epochs: int, results, start, jobs
     results.put((os.getpid(), seen, stats))
 
 
+def copied_collate(batch):
+    """torch's ``default_collate`` as a ``collate_fn`` of a user's own: an hp_group's producer copies its
+    batches into segments of their own (and keeps them as spares)."""
+    import torch.utils.data
+    return torch.utils.data.default_collate(batch)
+
+
 class Scale:
     """A picklable transform with a meaningful repr."""
 
@@ -260,7 +268,8 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     on ``results``; sets ``progress`` (if any) after its first batch.
 
     ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per
-    batch: a slow training step), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
+    batch: a slow training step), ``hold`` (keep every batch of an epoch, and check at its end that each
+    payload still holds its indices: nothing rewrote the memory under it), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
     ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), ``via`` (``"parts"``: iterate
     a plain torch DataLoader built from the loader's dataset, batch_sampler and collate_fn; ``"accelerate"``:
     what ``Accelerator.prepare`` makes of it), ``load_state``/``save_state`` (a file the loader's state is
@@ -269,17 +278,19 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     """
     _debuggable()
     os.setsid()  # its own process group: a test can kill it with its workers
+    import torch
+
     import coordl
     options = dict(options)
     dataset = IndexFiles(root, n, transform=options.pop("transform", None),
                          payload_floats=options.pop("payload_floats", 16),
                          decode_delay_s=options.pop("decode_delay_s", 0.0))
     step_s, kill_after = options.pop("step_s", 0.0), options.pop("kill_self_after", 0)
+    hold = options.pop("hold", False)
     kill_epoch = options.pop("kill_epoch", 1)
     max_open_files, via = options.pop("max_open_files", None), options.pop("via", None)
     load_state, save_state = options.pop("load_state", None), options.pop("save_state", None)
     if "seed" in options:
-        import torch
         options["generator"] = torch.Generator().manual_seed(options.pop("seed"))
     if max_open_files:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
@@ -289,7 +300,6 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
         start.wait(JOIN_TIMEOUT)
     loader = coordl.DataLoader(dataset, hp_group=group, **{"batch_size": 4, "shuffle": True, **options})
     if load_state:
-        import torch
         loader.load_state_dict(torch.load(load_state))
     batches_of = loader
     if via == "parts":
@@ -301,19 +311,22 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
         batches_of = Accelerator(cpu=True).prepare(loader)
     seen = []
     for epoch in range(1, epochs + 1):
-        batches = []
-        for k, (index, draw, _) in enumerate(batches_of):
+        batches, held = [], []
+        for k, (index, draw, payload) in enumerate(batches_of):
             batches.append((index.tolist(), draw.tolist()))
+            if hold:
+                held.append((index, payload))
             if progress is not None:
                 progress.set()
             if step_s:
                 time.sleep(step_s)
             if kill_after and epoch == kill_epoch and k + 1 == kill_after:
                 os.killpg(os.getpid(), signal.SIGKILL)
+        for index, payload in held:
+            assert torch.equal(payload, index.to(payload.dtype)[:, None].expand_as(payload)), "a held batch changed"
         seen.append((loader.stats().epochs[-1].epoch, batches))
     stats = loader.stats().as_dict()
     if save_state:
-        import torch
         torch.save(loader.state_dict(), save_state)
     loader.close()
     results.put((os.getpid(), seen, stats))

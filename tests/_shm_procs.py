@@ -49,6 +49,21 @@ def _sleep_forever() -> None:
         time.sleep(1)
 
 
+def map_staged_then_fork(name: str, mapped) -> None:
+    """Map staged segment ``name`` as a consumer does (claimed, then a private mapping; the segment itself
+    closed), fork a child that inherits the mapping, put ``(pid, child pid)`` on ``mapped``, then sleep."""
+    from coordl._shm import open_unlocked
+    segment = open_unlocked(name)
+    mapping = segment.private_map(0, segment.size)
+    segment.close()
+    child = os.fork()
+    if child == 0:
+        _sleep_forever()
+    mapped.put((os.getpid(), child))
+    del mapping  # the parent lets go of its mapping; the child keeps its copy
+    _sleep_forever()
+
+
 def fork_then_die_holding_locks(cache_name: str, group: str, locked) -> None:
     """Attach a cache and a group, fork a long-lived child (as DataLoader workers are forked), take both
     mutexes, then die by SIGKILL while holding them. The child lives on (the test kills it)."""

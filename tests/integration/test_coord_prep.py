@@ -101,6 +101,25 @@ def test_staging_memory_stays_bounded_when_one_job_is_slow(tmp_path, index_root)
 
 
 @pytest.mark.slow
+def test_copied_batches_reuse_spare_segments_but_never_one_a_job_still_holds(tmp_path, index_root):
+    """With a collate_fn of its own, each job copies its batches into segments that are kept and written
+    again (NOTE [ Spare segments ] in _group_state). One job holds every batch of an epoch (mapped, 1 MiB
+    each) and checks them at its end: no segment is written again while a job maps it."""
+    common = dict(hp_group_size=2, hp_group_timeout_s=30, cache_bytes=0, payload_floats=1 << 16,
+                  collate_fn=_procs.copied_collate)
+    jobs = [(3, dict(common, hold=True)), (3, dict(common, step_s=0.01))]
+    procs, results = _start_jobs(tmp_path, index_root, _group(), jobs)
+    runs = _collect(results, 2)
+    _procs.join_ok(*procs)
+    assert runs[0][1] == runs[1][1]
+    for _, seen, stats in runs:
+        assert [_samples(batches) for _, batches in seen] == [list(range(N))] * 3
+    group = runs[0][2]["group"]
+    assert group["reused"] > 0  # the holder lets an epoch's batches go at its end: the next ones reuse them
+    assert group["peak_staged_bytes"] > 0
+
+
+@pytest.mark.slow
 def test_a_job_joins_at_the_next_epoch_and_one_leaves_after_the_first(tmp_path, index_root):
     n, group = 40, _group()  # 10 batches per epoch
     results = FileQueue(tmp_path)

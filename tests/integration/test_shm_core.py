@@ -169,6 +169,29 @@ def test_a_fork_while_another_thread_creates_a_segment_can_create_its_own():
     assert os.waitstatus_to_exitcode(status[1]) == 0
 
 
+def test_a_staged_segment_stays_claimed_while_any_process_maps_it_paused_forked_or_not(tmp_path):
+    """A spare is written again only once ``unclaimed``: a consumer's claim lasts with its mappings, in its
+    forks too, whether it runs or is stopped, and goes with the last of them (SIGKILL included)."""
+    name = f"cdl_{secrets.token_hex(6)}_s1"
+    _shm.create_unlocked(name, 1 << 16, lambda size, free: AssertionError("/dev/shm full")).close()
+    assert _shm.unclaimed(name)
+    mapped = FileQueue(tmp_path)
+    proc = _procs.spawn(_shm_procs.map_staged_then_fork, name, mapped)
+    pid, child = mapped.get(timeout=_procs.JOIN_TIMEOUT)
+    try:
+        assert not _shm.unclaimed(name)
+        os.kill(pid, signal.SIGSTOP)
+        assert not _shm.unclaimed(name)
+        _kill(pid)
+        _wait_for(lambda: proc.exitcode is not None, 10, "the job's death")  # join() would wait for its fork too
+        assert proc.exitcode == -signal.SIGKILL and not _shm.unclaimed(name)  # its fork maps it still
+    finally:
+        _kill(child)
+    _wait_for(lambda: _shm.unclaimed(name), 10, "the claim to go with the fork")
+    _shm.unlink_segment(name)
+    assert not _shm.unclaimed(name)  # (no segment, nothing to write)
+
+
 def test_a_creator_killed_mid_creation_leaves_no_half_made_segment(tmp_path, monkeypatch):
     name = _name()
     proc = _procs.spawn(_shm_procs.create_then_die_mid_creation, name)

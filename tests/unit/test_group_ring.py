@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from coordl import _group_state
+from coordl import _group_state, _shm
 from coordl._constants import STAGING_SLOTS
-from coordl._group_state import (_H_CAPACITY, _H_PEAK_BYTES, _H_STAGED_BYTES, _M_EXPECT, _M_JOINED_NS, _M_PID,
-                                 _R_BATCH, _R_EPOCH, _R_NBYTES, _R_SEQ, _R_STATE, _READY, _WRITING, ALONE, NOT_MINE,
-                                 GroupState, segment_size, staged_name)
+from coordl._group_state import (_H_CAPACITY, _H_PEAK_BYTES, _H_REUSED, _H_SPARE_BYTES, _H_STAGED_BYTES, _M_EXPECT,
+                                 _M_JOINED_NS, _M_PID, _R_BATCH, _R_EPOCH, _R_NBYTES, _R_SEQ, _R_STATE, _READY,
+                                 _WRITING, ALONE, NOT_MINE, SPARE_SLOTS, GroupState, segment_size, staged_name)
 from coordl._shm import segment_path, shm_dir
 
 GROUP = "cdl_0123456789ab_group"
@@ -107,9 +107,9 @@ class _Member:
             self.state.finish(self.slot)
 
 
-def _run(members: list[_Member], rng: random.Random, steps: int = 200_000, until=None) -> None:
+def _run(members: list[_Member], rng: random.Random, steps: int = 200_000, until=None, check=None) -> None:
     """Random steps of random members until all are done (or ``until()``); fails on a stall. After each step
-    the staged bytes are those of the rows in use."""
+    the staged bytes are those of the rows in use, and ``check()`` holds."""
     state = members[0].state
     for _ in range(steps):
         if until() if until else all(m.done for m in members):
@@ -117,6 +117,8 @@ def _run(members: list[_Member], rng: random.Random, steps: int = 200_000, until
         member = rng.choice(members)
         member.produce() if rng.random() < 0.5 else member.consume()
         assert state.header[_H_STAGED_BYTES] == state.ring[:, _R_NBYTES].sum()
+        if check is not None:
+            check()
     raise AssertionError(f"stalled: members at {[len(m.got) for m in members]}")
 
 
@@ -380,3 +382,192 @@ def test_batches_written_for_members_no_longer_in_the_group_are_strays(unlinked)
     assert sorted(os.listdir(shm_dir())) == sorted(os.path.basename(segment_path(n)) for n in kept)
     for name in kept:
         os.unlink(segment_path(name))
+
+
+# -- spare segments (NOTE [ Spare segments ]): real segments in the test's shm folder ------------------------
+
+
+def _shm_full(size: int, free: int) -> Exception:
+    return AssertionError(f"/dev/shm cannot hold a test segment of {size} bytes ({free} free)")
+
+
+def _files() -> set[str]:
+    return set(os.listdir(shm_dir()))
+
+
+def _spares(state: GroupState) -> set[str]:
+    return {os.path.basename(segment_path(f"{state.prefix}r{int(seq):x}")) for seq, size in state.spares if size}
+
+
+def _staged_files(state: GroupState) -> set[str]:
+    rows = state.ring[state.ring[:, _R_STATE] != 0]
+    return {os.path.basename(segment_path(staged_name(GROUP, int(seq)))) for seq in rows[:, _R_SEQ]}
+
+
+class _Copier(_Member):
+    """A member whose producer writes each batch into a segment of its own (``reuse``): a new one, or a spare
+    taken over, holding (epoch, batch) once committed. Its consumer keeps the last ``hold`` batches it took
+    from others open (claimed, as a training loop holds the tensors over them) and checks, as it lets each
+    go, that the segment still holds that batch: nobody ever writes a spare somebody maps."""
+
+    def __init__(self, state: GroupState, slot: int, epoch: int, nbytes: int, hold: int):
+        super().__init__(state, slot, epoch, nbytes)
+        self.hold, self.held = hold, []
+
+    def produce(self) -> None:
+        if self.writing is not None:
+            batch, seq = self.writing
+            segment = _shm.open_unlocked(staged_name(GROUP, seq), claim=False)
+            np.frombuffer(segment.buf, np.int64, 2)[:] = (self.epoch, batch)
+            segment.close()
+            super().produce()
+            return
+        todo = [b for b in self.state.batches_of(self.slot) if b not in self.published]
+        if todo:
+            seq = self.state.reserve(self.slot, self.epoch, todo[0], self.nbytes, reuse=True)
+            if seq == ALONE:
+                self.published.add(todo[0])
+            elif seq not in (None, NOT_MINE):
+                if not self.state.reused(todo[0], seq):
+                    _shm.create_unlocked(staged_name(GROUP, seq), self.nbytes, _shm_full).close()
+                self.writing = (todo[0], seq)
+
+    def consume(self) -> None:
+        batch = len(self.got)
+        if self.done or self.state.owner(batch) == self.slot:
+            super().consume()  # its own batches are the producer's originals: nothing mapped
+            return
+        seq = self.state.staged(self.epoch, batch)
+        if seq is None or not self.state.holds(self.epoch, batch, seq):
+            return
+        self.held.append((_shm.open_unlocked(staged_name(GROUP, seq)), batch))  # claimed, as take_staged does
+        super().consume()
+        while len(self.held) > self.hold:
+            self.let_go()
+
+    def let_go(self) -> None:
+        segment, batch = self.held.pop(0)
+        assert tuple(np.frombuffer(segment.buf, np.int64, 2)) == (self.epoch, batch), "a mapped batch was rewritten"
+        segment.close()
+
+
+@pytest.mark.parametrize("hold", [0, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_spares_are_reused_only_once_nobody_maps_them_and_none_is_lost(seed, hold):
+    n, nbytes, capacity = 2 * STAGING_SLOTS + 5, 4096, 10 * 4096
+    state = _group(n, 3, capacity)
+    rng = random.Random(seed)
+
+    def check():
+        assert state.header[_H_SPARE_BYTES] == state.spares[:, 1].sum()
+        assert _files() == _staged_files(state) | _spares(state)  # every segment accounted for, none leaked
+
+    for _ in range(2):
+        epoch = _seal(state, range(3))
+        members = [_Copier(state, slot, epoch, nbytes, hold) for slot in range(3)]
+        _run(members, rng, check=check)
+        assert all(m.got == list(range(n)) for m in members)
+        for m in members:
+            while m.held:
+                m.let_go()
+    assert state.header[_H_PEAK_BYTES] <= capacity + nbytes
+    assert state.header[_H_REUSED] > n  # most batches were written into a spare
+    assert _files() == _spares(state) and len(_spares(state)) <= SPARE_SLOTS
+    _shm.unlink_segments(state.prefix)  # as the last member out does
+
+
+def _publish(state: GroupState, slot: int, epoch: int, batch: int, nbytes: int, reuse: bool = True) -> int:
+    seq = state.reserve(slot, epoch, batch, nbytes, reuse=reuse)
+    if not state.reused(batch, seq):
+        _shm.create_unlocked(staged_name(GROUP, seq), nbytes, _shm_full).close()
+    assert state.commit(slot, epoch, batch, seq)
+    return seq
+
+
+def _take(state: GroupState, slot: int, epoch: int, batch: int) -> _shm.Segment:
+    seq = state.staged(epoch, batch)
+    segment = _shm.open_unlocked(staged_name(GROUP, seq))
+    state.set_cursor(slot, batch + 1)
+    state.release(slot, epoch, batch, seq)
+    return segment
+
+
+def test_a_spare_somebody_maps_is_left_alone_and_taken_over_once_let_go():
+    nbytes = 8192
+    state = _group(8, 2)
+    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches
+    first = _publish(state, 0, epoch, 0, nbytes)
+    state.set_cursor(0, 1)
+    reader = _take(state, 1, epoch, 0)
+    mapping = reader.private_map(0, nbytes)  # a tensor over the batch
+    reader.close()
+    spare = f"{state.prefix}r{first:x}"
+    assert _files() == _spares(state) == {os.path.basename(segment_path(spare))}
+    assert state.header[_H_SPARE_BYTES] == nbytes and state.header[_H_STAGED_BYTES] == 0
+
+    second = _publish(state, 0, epoch, 2, nbytes)  # the spare is mapped: a new segment
+    assert not state.reused(2, second) and state.header[_H_REUSED] == 0
+    inode = os.stat(segment_path(spare)).st_ino
+    del mapping  # the tensor is gone
+    state.set_cursor(0, 3)
+    _take(state, 1, epoch, 2).close()
+    assert len(_spares(state)) == 2
+    third = _publish(state, 0, epoch, 4, nbytes)
+    assert state.reused(4, third) and state.header[_H_REUSED] == 1
+    assert os.stat(segment_path(staged_name(GROUP, third))).st_ino == inode  # the first batch's segment
+    assert not os.path.exists(segment_path(spare)) and state.header[_H_SPARE_BYTES] == nbytes
+    assert state.header[_H_STAGED_BYTES] == nbytes
+    _shm.unlink_segments(state.prefix)
+
+
+def test_spares_give_way_to_the_capacity_and_only_copied_published_batches_are_kept():
+    nbytes = 4096
+    state = _group(16, 3, capacity=2 * nbytes)
+    epoch = _seal(state, [0, 1, 2])  # slot 0 prepares batches 0, 3, 6, ...
+    for slot in (0, 1, 2):
+        state.set_cursor(slot, 1)
+    seq = _publish(state, 0, epoch, 0, nbytes)
+    _take(state, 1, epoch, 0).close()
+    _take(state, 2, epoch, 0).close()  # freed, nobody maps it: an idle spare
+    assert _spares(state) and state.header[_H_SPARE_BYTES] == nbytes
+
+    state.set_cursor(2, 3)
+    state.set_cursor(0, 3)
+    odd = _publish(state, 0, epoch, 3, nbytes // 2)  # another size: a new segment, the idle spare stays
+    assert not state.reused(3, odd) and state.header[_H_SPARE_BYTES] == nbytes
+    # A new segment that would not fit beside the idle spare takes its room.
+    fresh = _publish(state, 0, epoch, 6, nbytes, reuse=False)
+    assert not state.reused(6, fresh) and not _spares(state) and state.header[_H_SPARE_BYTES] == 0
+    assert not os.path.exists(segment_path(f"{state.prefix}r{seq:x}"))
+
+    # Written batches (reuse=False) and rows a failing member was writing are removed, not kept.
+    state.set_cursor(1, 4)
+    state.set_cursor(2, 4)
+    _take(state, 1, epoch, 3).close()
+    _take(state, 2, epoch, 3).close()
+    assert state.header[_H_SPARE_BYTES] == nbytes // 2  # the odd-sized copy is kept
+    for slot in (1, 2):
+        state.set_cursor(slot, 7)
+        _take(state, slot, epoch, 6).close()
+    assert state.header[_H_SPARE_BYTES] == nbytes // 2  # the written one is not
+    writing = state.reserve(0, epoch, 9, nbytes, reuse=True)
+    _shm.create_unlocked(staged_name(GROUP, writing), nbytes, _shm_full).close()
+    state.fail(0, "died")
+    assert _files() == _spares(state) and state.header[_H_SPARE_BYTES] == nbytes // 2
+    _shm.unlink_segments(state.prefix)
+
+
+def test_a_full_spare_table_removes_what_is_freed():
+    nbytes = 4096
+    state = _group(2 * SPARE_SLOTS + 2, 2)
+    epoch = _seal(state, [0, 1])
+    readers = []
+    for batch in range(0, 2 * SPARE_SLOTS + 2, 2):
+        _publish(state, 0, epoch, batch, nbytes)
+        state.set_cursor(0, batch + 1)
+        readers.append(_take(state, 1, epoch, batch))  # each still mapped: no spare can be taken over
+    assert len(_spares(state)) == SPARE_SLOTS and state.header[_H_REUSED] == 0
+    assert _files() == _spares(state)  # the batches freed once the table was full are gone
+    for reader in readers:
+        reader.close()
+    _shm.unlink_segments(state.prefix)
