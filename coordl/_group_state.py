@@ -508,7 +508,9 @@ class GroupState:
         capacity, seq, idle = int(h[_H_CAPACITY]), int(h[_H_SEQ]) + 1, self._idle_spares()
         held = int(h[_H_STAGED_BYTES]) + sum(int(self.spares[r, _S_NBYTES]) for r in idle)
         same = [r for r in idle if self.spares[r, _S_NBYTES] == nbytes] if reuse else []
-        taken = bool(same) and (held <= capacity or batch <= low) and self._take_spare(same[0], seq)
+        # a spare taken over adds no memory: it may hold any batch the staged bytes may
+        fits = h[_H_STAGED_BYTES] + nbytes <= capacity or batch <= low
+        taken = bool(same) and fits and self._take_spare(same[0], seq)
         if not taken:
             while idle and held + nbytes > capacity:  # idle spares make room first
                 held -= int(self.spares[idle[0], _S_NBYTES])

@@ -385,8 +385,7 @@ class HPGroup:
             self._reused.discard(seq)
             segment = open_unlocked(name, claim=False)
             if segment is None:
-                raise StagingError(f"staged batch {seq} of hp_group {self.group!r} disappeared from {shm_dir()} "
-                                   f"(was the group removed with `coordl group rm --force`?)")
+                raise self._gone(f"staged batch {seq}")
             return segment
         segment = create_unlocked(name, max(nbytes, 1), lambda size, free: ShmCapacityError(
             f"{shm_dir()} is full: cannot stage a batch of {format_bytes(size)} for hp_group {self.group!r} "
@@ -409,7 +408,7 @@ class HPGroup:
         """
         segment = open_unlocked(name)
         if segment is None:
-            raise self._written_gone(name)
+            raise self._gone(f"written batch {name}")
         return segment
 
     def stage_written(self, seq: int, name: str) -> None:
@@ -419,11 +418,11 @@ class HPGroup:
         except FileExistsError:
             raise _staged_exists(staged_name(self.name, seq)) from None
         except FileNotFoundError:
-            raise self._written_gone(name) from None
+            raise self._gone(f"written batch {name}") from None
 
-    def _written_gone(self, name: str) -> StagingError:
-        return StagingError(f"written batch {name} of hp_group {self.group!r} disappeared from {shm_dir()} (was "
-                            f"the group removed with `coordl group rm --force`?)")
+    def _gone(self, what: str) -> StagingError:
+        return StagingError(f"{what} of hp_group {self.group!r} disappeared from {shm_dir()} (was the group removed "
+                            f"with `coordl group rm --force`?)")
 
     def commit(self, epoch: int, batch: int, seq: int) -> bool:
         """Publish reserved ``batch`` once written; False (and its segment removed) if it was taken over."""
@@ -451,8 +450,7 @@ class HPGroup:
             if segment is not None:
                 state.release(self._slot, epoch, batch, seq)
         if segment is None:
-            raise StagingError(f"staged batch {seq} of hp_group {self.group!r} disappeared from {shm_dir()} "
-                               f"(was the group removed with `coordl group rm --force`?)")
+            raise self._gone(f"staged batch {seq}")
         return segment
 
     def stats(self) -> GroupStats:

@@ -267,13 +267,13 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
     any) runs ``epochs`` epochs and puts ``(pid, [(epoch, [(indices, draws) per batch]) ...], stats dict)``
     on ``results``; sets ``progress`` (if any) after its first batch.
 
-    ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per
-    batch: a slow training step), ``hold`` (keep every batch of an epoch, and check at its end that each
-    payload still holds its indices: nothing rewrote the memory under it), ``kill_self_after`` (SIGKILL itself after that many batches of epoch
-    ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), ``via`` (``"parts"``: iterate
-    a plain torch DataLoader built from the loader's dataset, batch_sampler and collate_fn; ``"accelerate"``:
-    what ``Accelerator.prepare`` makes of it), ``load_state``/``save_state`` (a file the loader's state is
-    loaded from before its epochs, saved to after them), ``seed`` (the loader's ``generator``'s seed),
+    ``options``: ``transform``/``payload_floats``/``decode_delay_s`` for the dataset, ``step_s`` (sleep per batch: a
+    slow training step), ``hold`` (keep every batch of an epoch, and check at its end that each payload still holds
+    its indices: nothing rewrote the memory under it), ``kill_self_after`` (SIGKILL itself after that many batches
+    of epoch ``kill_epoch``, default 1), ``max_open_files`` (the process's RLIMIT_NOFILE), ``via`` (``"parts"``:
+    iterate a plain torch DataLoader built from the loader's dataset, batch_sampler and collate_fn;
+    ``"accelerate"``: what ``Accelerator.prepare`` makes of it), ``load_state``/``save_state`` (a file the loader's
+    state is loaded from before its epochs, saved to after them), ``seed`` (the loader's ``generator``'s seed),
     anything else goes to ``coordl.DataLoader``.
     """
     _debuggable()
