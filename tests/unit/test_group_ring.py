@@ -557,6 +557,26 @@ def test_spares_give_way_to_the_capacity_and_only_copied_published_batches_are_k
     _shm.unlink_segments(state.prefix)
 
 
+def test_a_spare_taken_over_leaves_no_room_to_the_other_idle_ones():
+    nbytes = 4096
+    state = _group(8, 2, capacity=nbytes)
+    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches
+    first = _publish(state, 0, epoch, 0, nbytes)
+    state.set_cursor(0, 1)
+    held = _take(state, 1, epoch, 0)  # mapped while the next batch is staged: not idle, not in the way
+    second = _publish(state, 0, epoch, 2, nbytes // 2)
+    state.set_cursor(0, 3)
+    _take(state, 1, epoch, 2).close()
+    held.close()
+    assert len(_spares(state)) == 2 and state.header[_H_SPARE_BYTES] == nbytes + nbytes // 2  # both idle now
+    third = _publish(state, 0, epoch, 4, nbytes)
+    assert state.reused(4, third) and os.path.exists(segment_path(staged_name(GROUP, third)))
+    assert not _spares(state) and not os.path.exists(segment_path(f"{state.prefix}r{second:x}"))  # gave way
+    assert state.header[_H_SPARE_BYTES] == 0 and state.header[_H_PEAK_BYTES] <= nbytes + nbytes // 2
+    assert first < second < third
+    _shm.unlink_segments(state.prefix)
+
+
 def test_a_full_spare_table_removes_what_is_freed():
     nbytes = 4096
     state = _group(2 * SPARE_SLOTS + 2, 2)
