@@ -35,10 +35,10 @@ a batch of the same size takes a spare over (renamed to the batch's name, its pa
 once nobody maps it: every consumer takes a shared claim on a batch as it opens it, under the lock and
 before its use bit can free the row (``_shm.open_unlocked``), and the claim lasts as long as any mapping
 of the batch, in any process, SIGKILL included (``_shm.unclaimed``). So no spare is written while a
-tensor over its old batch exists. A spare taken over may hold any batch the staged bytes admit (it adds
-no memory). Spares nobody maps count against the capacity: whenever a reservation would take the staged
-bytes and theirs beyond it, they are removed, oldest first, so memory stays under the capacity plus one
-batch as before. Spares still mapped hold the memory of the tensors over them, as a removed batch's pages
+tensor over its old batch exists. A batch is admitted by the staged bytes alone, as before; spares
+nobody maps then give their room up (removed, oldest first) as far as the staged bytes and theirs exceed
+the capacity, so memory stays under the capacity plus one batch as before, and a producer waiting for
+room removes none. Spares still mapped hold the memory of the tensors over them, as a removed batch's pages
 do, and take no room. Rows a member was writing when it failed are removed, never kept (its thread may
 still write).
 
@@ -506,18 +506,18 @@ class GroupState:
         low, row = self._low(), batch % STAGING_SLOTS
         if batch >= low + STAGING_SLOTS or self.ring[row, _R_STATE] != _FREE:
             return None
-        capacity, seq, idle = int(h[_H_CAPACITY]), int(h[_H_SEQ]) + 1, self._idle_spares()
+        capacity, seq = int(h[_H_CAPACITY]), int(h[_H_SEQ]) + 1
+        if h[_H_STAGED_BYTES] + nbytes > capacity and batch > low:
+            return None
+        idle = self._idle_spares()
         same = [r for r in idle if self.spares[r, _S_NBYTES] == nbytes] if reuse else []
-        fits = h[_H_STAGED_BYTES] + nbytes <= capacity or batch <= low  # a spare taken over adds no memory
-        taken = bool(same) and fits and self._take_spare(same[0], seq)
+        taken = bool(same) and self._take_spare(same[0], seq)
         if taken:
             idle.remove(same[0])
         held = int(h[_H_STAGED_BYTES]) + nbytes + sum(int(self.spares[r, _S_NBYTES]) for r in idle)
-        while idle and held > capacity:  # idle spares give their room up first
+        while idle and held > capacity:  # idle spares give their room up
             held -= int(self.spares[idle[0], _S_NBYTES])
             self._drop_spare(idle.pop(0))
-        if not taken and held > capacity and batch > low:
-            return None
         h[_H_SEQ] = seq
         self._write_row(row, {_R_BATCH: batch, _R_EPOCH: epoch, _R_SEQ: seq, _R_NBYTES: nbytes, _R_USED: bit,
                               _R_KEEP: 2 if taken else int(reuse), _R_STATE: _WRITING})

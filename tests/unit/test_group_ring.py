@@ -577,6 +577,21 @@ def test_a_spare_taken_over_leaves_no_room_to_the_other_idle_ones():
     _shm.unlink_segments(state.prefix)
 
 
+def test_a_producer_waiting_for_room_removes_no_spare():
+    nbytes = 4096
+    state = _group(8, 2, capacity=nbytes)
+    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches
+    first = _publish(state, 0, epoch, 0, nbytes)
+    state.set_cursor(0, 1)
+    reader = _take(state, 1, epoch, 0)
+    _publish(state, 0, epoch, 2, nbytes)  # the first batch's segment is mapped: a new one
+    reader.close()  # now it is idle
+    assert state.reserve(0, epoch, 4, nbytes, reuse=True) is None  # batch 2 fills the staging area
+    assert _spares(state) == {os.path.basename(segment_path(f"{state.prefix}r{first:x}"))}  # still there
+    assert state.header[_H_SPARE_BYTES] == nbytes
+    _shm.unlink_segments(state.prefix)
+
+
 def test_a_full_spare_table_removes_what_is_freed():
     nbytes = 4096
     state = _group(2 * SPARE_SLOTS + 2, 2)
