@@ -557,14 +557,21 @@ def test_spares_give_way_to_the_capacity_and_only_copied_published_batches_are_k
     _shm.unlink_segments(state.prefix)
 
 
-def test_a_spare_taken_over_leaves_no_room_to_the_other_idle_ones():
-    nbytes = 4096
+def _mapped_then_new(nbytes: int, second_bytes: int):
+    """A group of 2 (slot 0 prepares the even batches) holding one batch's worth: batch 0 published and taken,
+    then batch 2 (``second_bytes``) published while slot 1 still maps batch 0. Returns (state, epoch, batch 0's
+    seq, batch 2's seq, slot 1's open batch 0)."""
     state = _group(8, 2, capacity=nbytes)
-    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches
+    epoch = _seal(state, [0, 1])
     first = _publish(state, 0, epoch, 0, nbytes)
     state.set_cursor(0, 1)
     held = _take(state, 1, epoch, 0)  # mapped while the next batch is staged: not idle, not in the way
-    second = _publish(state, 0, epoch, 2, nbytes // 2)
+    return state, epoch, first, _publish(state, 0, epoch, 2, second_bytes), held
+
+
+def test_a_spare_taken_over_leaves_no_room_to_the_other_idle_ones():
+    nbytes = 4096
+    state, epoch, first, second, held = _mapped_then_new(nbytes, nbytes // 2)
     state.set_cursor(0, 3)
     _take(state, 1, epoch, 2).close()
     held.close()
@@ -579,13 +586,8 @@ def test_a_spare_taken_over_leaves_no_room_to_the_other_idle_ones():
 
 def test_a_producer_waiting_for_room_removes_no_spare():
     nbytes = 4096
-    state = _group(8, 2, capacity=nbytes)
-    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches
-    first = _publish(state, 0, epoch, 0, nbytes)
-    state.set_cursor(0, 1)
-    reader = _take(state, 1, epoch, 0)
-    _publish(state, 0, epoch, 2, nbytes)  # the first batch's segment is mapped: a new one
-    reader.close()  # now it is idle
+    state, epoch, first, _, reader = _mapped_then_new(nbytes, nbytes)  # batch 2 in a new segment
+    reader.close()  # batch 0's is idle now
     assert state.reserve(0, epoch, 4, nbytes, reuse=True) is None  # batch 2 fills the staging area
     assert _spares(state) == {os.path.basename(segment_path(f"{state.prefix}r{first:x}"))}  # still there
     assert state.header[_H_SPARE_BYTES] == nbytes
