@@ -18,7 +18,8 @@ SGD) and the DALI systems also without it (``step="none"``: decoding from the ca
 DALI's reader). Epochs after the first count (the first fills the cache and warms cuDNN and DALI), timed
 as one window: the GPU's queue is waited for at its edges, not between its epochs, as in training
 (``--drain-each-epoch``: at every epoch's edges, so a pipeline that fills at each epoch's start has
-its fill exposed rather than overlapped with the steps queued before).
+its fill exposed rather than overlapped with the steps queued before). ``--hw-decoder-load X`` binds the DALI
+systems' preset to give that share of the JPEGs to the GPU's hardware JPEG decoder (DALI's default: 0.65).
 A system's stall is the paper's differential one, ``1 - samples/s / G``, beside the time the loop
 itself waited for batches (``wait_s``, ``iter()`` included) and of that, for each epoch's first batch
 (``first_wait_s``: the epoch's edge, where a pipeline that restarts each epoch fills). ``results.json``
@@ -33,6 +34,7 @@ throughput the trials measured.
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -63,13 +65,19 @@ def _transform():
                       T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
 
 
-def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache_name: str, device: str):
-    """The loader of ``system`` over the ImageFolder ``root``, for a step on ``device`` ("cuda" or "cpu")."""
+def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache_name: str, device: str,
+                 hw_decoder_load: float | None = None):
+    """The loader of ``system`` over the ImageFolder ``root``, for a step on ``device`` ("cuda" or "cpu"); the
+    DALI systems' preset with ``hw_decoder_load`` where given (else DALI's default)."""
     dali_device = "gpu" if device == "cuda" else "cpu"
+    preset = "image_classification"
+    if hw_decoder_load is not None:
+        from coordl.dali_presets import image_classification
+        preset = functools.partial(image_classification, hw_decoder_load=hw_decoder_load)
     if system == "dali":
         from coordl.dali_pipeline import file_reader_loader
         return file_reader_loader(root, order="shuffle", batch_size=batch_size, num_threads=workers,
-                                  device=dali_device)
+                                  device=dali_device, pipeline=preset)
     common = dict(batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=device == "cuda",
                   drop_last=True, persistent_workers=workers > 0)
     cache = dict(cache_bytes=tree_bytes(root) + 2**24, cache_name=cache_name)  # the whole dataset
@@ -79,7 +87,7 @@ def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache
         return coordl.DataLoader(torchvision.datasets.ImageFolder(root, transform=_transform()), **common, **cache)
     if system == "coordl-dali":
         return coordl.DataLoader(torchvision.datasets.ImageFolder(root), **common, **cache, backend="dali",
-                                 dali_pipeline="image_classification", dali_device=dali_device)
+                                 dali_pipeline=preset, dali_device=dali_device)
     raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
 
 
@@ -155,7 +163,7 @@ def measure(system: str, step: Step, root: str, args, trial: int) -> list[dict]:
     else:
         loader = build_loader(system, root, workers=args.workers, batch_size=args.batch_size,
                               cache_name=f"gpu-stall-{os.getpid()}-{system}-{step.kind}-{trial}",
-                              device=args.device)
+                              device=args.device, hw_decoder_load=args.hw_decoder_load)
     rows = []
     with loader if hasattr(loader, "__enter__") else contextlib.nullcontext(loader) as batches:
         for epoch in range(1, args.epochs + 1):
@@ -255,6 +263,8 @@ def analyze(system: str, root: str, args, out_dir: str) -> dict:
                "--warmup", str(args.warmup), "--timeout", "240", "--", sys.executable, "-m",
                "benchmarks.gpu_stall", "job", root, "--system", system, "--workers", str(args.workers),
                "--batch-size", str(args.batch_size), "--device", args.device]
+    if args.hw_decoder_load is not None:
+        command += ["--hw-decoder-load", str(args.hw_decoder_load)]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
@@ -277,10 +287,12 @@ def job(argv: list[str]) -> None:
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--hw-decoder-load", type=float)
     args = parser.parse_args(argv)
     step = Step("resnet18", args.device)
     loader = build_loader(args.system, args.root, workers=args.workers, batch_size=args.batch_size,
-                          cache_name=f"gpu-stall-job-{os.getpid()}", device=args.device)
+                          cache_name=f"gpu-stall-job-{os.getpid()}", device=args.device,
+                          hw_decoder_load=args.hw_decoder_load)
     for _ in range(args.epochs):
         run_epoch(loader, step, drain_before=False, drain_after=False)  # the window waits at its own edges
 
@@ -383,11 +395,15 @@ def main(argv=None) -> int:
                         help="comma-separated, of resnet18,none (none: the DALI systems' loaders alone)")
     parser.add_argument("--drain-each-epoch", action="store_true",
                         help="wait for the GPU's queue at every epoch's edges (each epoch timed on its own)")
+    parser.add_argument("--hw-decoder-load", type=float,
+                        help="the DALI systems' share of JPEGs for the GPU's hardware decoder (default DALI's, 0.65)")
     parser.add_argument("--out", default="results/gpu_stall")
     parser.add_argument("--git-sha", help="the commit measured, where the tree's .git is not it (a copy)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where the step runs (cpu: a smoke test of the benchmark itself, no GPU figures)")
     args = parser.parse_args(argv)
+    if args.hw_decoder_load is not None and not 0 <= args.hw_decoder_load <= 1:
+        parser.error(f"--hw-decoder-load should be a share from 0 to 1, not {args.hw_decoder_load}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks.gpu_stall needs a CUDA GPU, and torch sees none (--device cpu for a smoke test)",
               file=sys.stderr)

@@ -5,14 +5,15 @@ behind."""
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from benchmarks.storage_env import BUDGET_TOLERANCE_MIN_BYTES, PREFIX, SLACK_BYTES, cgroup_version
+from tests.benchmarks._bench import CLEANUP_GRACE_S, REPO, run_to_end
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN_S = 780
+"""A quick run takes about 300 s on two cores; it may take this long before it is stopped."""
 
 
 def _leftovers() -> set[str]:
@@ -20,12 +21,13 @@ def _leftovers() -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_S + CLEANUP_GRACE_S + 60)
 def test_quick_run(tmp_path):
     before = _leftovers()
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--images", "48", "--iters", "6",
-                          "--warmup", "1", "--epochs", "2", "--out", str(out)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    run = run_to_end([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--images", "48", "--iters", "6",
+                      "--warmup", "1", "--epochs", "2", "--out", str(out)], RUN_S,
+                     cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     if not cgroup_version():
         assert run.returncode == 2 and "needs root and cgroups" in run.stderr
         return
@@ -66,14 +68,15 @@ def test_quick_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_S + CLEANUP_GRACE_S + 60)
 def test_quick_run_of_a_dali_job(tmp_path):
     """The job on the DALI backend (on the CPU): each configuration analyzed with Q measured on a twin of its
     pipeline, and measured."""
     before = _leftovers()
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--servers", "0", "--backend", "dali",
-                          "--images", "48", "--iters", "6", "--warmup", "1", "--epochs", "2", "--out", str(out)],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    run = run_to_end([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--servers", "0", "--backend", "dali",
+                      "--images", "48", "--iters", "6", "--warmup", "1", "--epochs", "2", "--out", str(out)],
+                     RUN_S, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     if not cgroup_version():
         assert run.returncode == 2 and "needs root and cgroups" in run.stderr
         return
@@ -93,14 +96,12 @@ def test_quick_run_of_a_dali_job(tmp_path):
 
 
 def test_settings_that_leave_nothing_to_run_are_refused_before_anything_is_made(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--analyses", "2", "--out",
-                          str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                         capture_output=True, text=True, timeout=120)
+    run = run_to_end([sys.executable, "-m", "benchmarks.analyzer", "--quick", "--analyses", "2", "--out",
+                      str(tmp_path / "out")], 120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert run.returncode == 2 and "--analyses should be from 1 to the runs per configuration (1)" in run.stderr
     assert not (tmp_path / "out").exists()
-    alone = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", "--multi-server-only", "--servers", "1",
-                            "--out", str(tmp_path / "out")], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                           capture_output=True, text=True, timeout=120)
+    alone = run_to_end([sys.executable, "-m", "benchmarks.analyzer", "--multi-server-only", "--servers", "1",
+                        "--out", str(tmp_path / "out")], 120, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert alone.returncode == 2 and "--multi-server-only needs --servers of 2 or more, not 1" in alone.stderr
     assert not (tmp_path / "out").exists()
 
@@ -121,7 +122,7 @@ def test_the_grid_takes_the_given_fractions_bandwidths_and_workers():
     (["--workers", "0", "1"], "--workers should be 1 or more, not [0, 1]"),
 ])
 def test_a_grid_setting_that_is_off_is_named_before_anything_is_made(tmp_path, argv, message):
-    run = subprocess.run([sys.executable, "-m", "benchmarks.analyzer", *argv, "--out", str(tmp_path / "out")],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=120)
+    run = run_to_end([sys.executable, "-m", "benchmarks.analyzer", *argv, "--out", str(tmp_path / "out")], 120,
+                     cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert run.returncode == 2 and message in run.stderr
     assert not (tmp_path / "out").exists()

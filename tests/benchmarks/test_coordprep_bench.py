@@ -17,8 +17,10 @@ from benchmarks.coordprep import cpu_seconds, cpu_split
 from benchmarks.storage_env import PREFIX, cgroup_version
 from coordl.coord_prep import list_groups
 from tests import _procs
+from tests.benchmarks._bench import CLEANUP_GRACE_S, REPO, run_to_end
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN_S = 200
+"""How long one quick run may take before it is stopped (about 40 s on two cores)."""
 
 
 def _leftovers() -> set[str]:
@@ -26,14 +28,15 @@ def _leftovers() -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_S + CLEANUP_GRACE_S + 60)
 @pytest.mark.parametrize("backend, systems, reps", [("torch", ("torch", "coordl"), 2),
                                                    ("dali", ("dali", "coordl-dali"), 1)])
 def test_quick_run(tmp_path, backend, systems, reps):
     before, groups_before = _leftovers(), {g.name for g in list_groups()}
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--backend", backend,
-                          "--reps", str(reps), "--out", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                         capture_output=True, text=True, timeout=300 * reps)
+    run = run_to_end([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--backend", backend,
+                      "--reps", str(reps), "--out", str(out)], RUN_S * reps, cwd=REPO,
+                     env={**os.environ, "PYTHONPATH": REPO})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     baseline, coordl = (result["summary"][name] for name in systems)
@@ -77,9 +80,8 @@ def test_quick_run(tmp_path, backend, systems, reps):
 def test_coordl_jobs_that_drop_the_pages_they_read_keep_none(tmp_path):
     before = _leftovers()
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--drop-page-cache",
-                          "--out", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                         capture_output=True, text=True, timeout=300)
+    run = run_to_end([sys.executable, "-m", "benchmarks.coordprep", "--jobs", "2", "--quick", "--drop-page-cache",
+                      "--out", str(out)], RUN_S, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert result["coordl_drop_page_cache"] is True

@@ -3,7 +3,6 @@ the CPU (the benchmark's own smoke test; its figures need a GPU)."""
 
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -11,8 +10,7 @@ import pytest
 
 from benchmarks import gpu_stall
 from benchmarks.gpu_stall import summarize
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks._bench import REPO, run_to_end
 
 
 def _epochs(system, step, trial, rates, waits=0.0, first=0.0):
@@ -98,10 +96,10 @@ def test_the_gpu_is_waited_for_around_the_steady_window_and_only_asked_between_i
 @pytest.mark.slow
 def test_a_run_with_the_step_on_the_cpu_delivers_every_sample_of_every_epoch(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stall", "--device", "cpu", "--images", "24",
-                          "--batch-size", "8", "--epochs", "2", "--trials", "2", "--workers", "2",
-                          "--systems", "synthetic,torch,coordl", "--out", str(out)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    run = run_to_end([sys.executable, "-m", "benchmarks.gpu_stall", "--device", "cpu", "--images", "24",
+                      "--batch-size", "8", "--epochs", "2", "--trials", "2", "--workers", "2",
+                      "--systems", "synthetic,torch,coordl", "--out", str(out)], 200, cwd=REPO,
+                     env={**os.environ, "PYTHONPATH": REPO})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert result["failed"] == {}
@@ -119,10 +117,10 @@ def test_a_run_with_the_step_on_the_cpu_delivers_every_sample_of_every_epoch(tmp
 def test_the_dali_loaders_alone_and_coordl_dalis_epochs_on_the_plan_drawn_ahead(tmp_path):
     pytest.importorskip("nvidia.dali")
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stall", "--device", "cpu", "--images", "24",
-                          "--batch-size", "8", "--epochs", "3", "--trials", "1", "--workers", "2", "--steps", "none",
-                          "--systems", "coordl-dali,dali", "--out", str(out)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    run = run_to_end([sys.executable, "-m", "benchmarks.gpu_stall", "--device", "cpu", "--images", "24",
+                      "--batch-size", "8", "--epochs", "3", "--trials", "1", "--workers", "2", "--steps", "none",
+                      "--systems", "coordl-dali,dali", "--hw-decoder-load", "1", "--out", str(out)], 200, cwd=REPO,
+                     env={**os.environ, "PYTHONPATH": REPO})
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["epochs"]
     assert sorted((r["system"], r["step"], r["epoch"]) for r in rows) == sorted(
@@ -132,6 +130,14 @@ def test_the_dali_loaders_alone_and_coordl_dalis_epochs_on_the_plan_drawn_ahead(
     assert [(r["ahead_taken"], r["ahead_dropped"]) for r in coordl_dali] == [(0, 0), (1, 0), (2, 0)]
     assert "epochs on the plan drawn ahead: 2, on another: 0" in run.stdout
     assert "first batch's extra wait" in (out / "results.md").read_text()
-    edges = subprocess.run([sys.executable, "-m", "benchmarks.gpu_stall", "edges", str(out)], cwd=REPO,
-                           env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=60)
+    assert json.loads((out / "setup.json").read_text())["settings"]["hw_decoder_load"] == 1.0  # the preset bound
+    edges = run_to_end([sys.executable, "-m", "benchmarks.gpu_stall", "edges", str(out)], 60, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": REPO})
     assert edges.returncode == 0 and "on the plan drawn ahead 2, on another 0" in edges.stdout, edges.stderr
+
+
+def test_a_hardware_decoder_share_outside_0_to_1_is_refused_before_anything_is_made(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_stall.main(["--device", "cpu", "--hw-decoder-load", "1.5", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2 and "--hw-decoder-load should be a share from 0 to 1, not 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -5,15 +5,16 @@ behind; the knee itself on constructed curves."""
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from benchmarks.knees import knee
 from benchmarks.storage_env import PREFIX, cgroup_version
+from tests.benchmarks._bench import CLEANUP_GRACE_S, REPO, run_to_end
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN_S = 780
+"""How long the quick run may take before it is stopped."""
 
 
 def test_a_knee_is_the_least_setting_within_the_tolerance_of_the_best():
@@ -22,13 +23,14 @@ def test_a_knee_is_the_least_setting_within_the_tolerance_of_the_best():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_S + CLEANUP_GRACE_S + 60)
 def test_quick_run(tmp_path):
     leftovers = lambda: set(glob.glob(f"/var/tmp/{PREFIX}-*") + glob.glob(f"/sys/fs/cgroup/*/{PREFIX}-analyzer-*"))
     before = leftovers()
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.knees", "--quick", "--images", "48", "--iters", "6",
-                          "--warmup", "1", "--epochs", "2", "--out", str(out)], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=900)
+    run = run_to_end([sys.executable, "-m", "benchmarks.knees", "--quick", "--images", "48", "--iters", "6",
+                      "--warmup", "1", "--epochs", "2", "--out", str(out)], RUN_S, cwd=REPO,
+                     env={**os.environ, "PYTHONPATH": REPO})
     if not cgroup_version():
         assert run.returncode == 2 and "needs root and cgroups" in run.stderr
         return

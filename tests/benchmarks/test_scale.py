@@ -2,14 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from benchmarks.scale import project
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks._bench import REPO, run_to_end
 
 
 def test_the_projection_is_bound_by_the_slower_of_prep_and_storage():
@@ -27,10 +25,9 @@ def test_the_projection_is_bound_by_the_slower_of_prep_and_storage():
 def test_a_tiny_run_times_every_size_and_system_and_leaves_its_files_only_where_asked(tmp_path, shm_namespace):
     out, work = tmp_path / "out", tmp_path / "work"
     work.mkdir()
-    done = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--sizes", "1000", "3000", "--reps", "2",
-                           "--epochs", "1", "--workers", "1", "--batch-size", "64", "--workdir", str(work),
-                           "--clean", "--out", str(out)],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
+    done = run_to_end([sys.executable, "-m", "benchmarks.scale", "--sizes", "1000", "3000", "--reps", "2",
+                       "--epochs", "1", "--workers", "1", "--batch-size", "64", "--workdir", str(work),
+                       "--clean", "--out", str(out)], 200, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "results.json").read_text())
     assert [p["size"] for p in result["points"]] == [1000, 3000]

@@ -1,5 +1,6 @@
 """The DALI backend on the CPU: presets, the epoch plan, the cache, errors, and the plain-DALI baselines."""
 
+import functools
 import gc
 import json
 import logging
@@ -22,6 +23,7 @@ from PIL import Image, ImageDraw
 
 import coordl
 from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_MISSES, file_reader_loader
+from coordl import dali_presets
 from coordl.dali_presets import IMAGENET_MEAN, IMAGENET_STD
 
 N_IMAGES = 96  # the image_root fixture
@@ -591,14 +593,18 @@ def test_plain_dali_baselines_read_every_file_each_epoch(image_root, order):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU decoding path needs a CUDA GPU")
-@pytest.mark.parametrize("preset", ["image_classification", "object_detection"])
-def test_gpu_decoding_yields_cuda_tensors_like_the_cpu_path(image_root, tmp_path, preset):
+@pytest.mark.parametrize("preset, hw_decoder_load", [("image_classification", None), ("image_classification", 1.0),
+                                                     ("image_classification", 0.0), ("object_detection", None)])
+def test_gpu_decoding_yields_cuda_tensors_like_the_cpu_path(image_root, tmp_path, preset, hw_decoder_load):
+    """Also with every JPEG given to the GPU's hardware decoder (``hw_decoder_load=1.0``) and none (0.0)."""
     dataset = torchvision.datasets.ImageFolder(image_root) if preset == "image_classification" else \
         coordl.CocoDetection(str(tmp_path), _write_coco(str(tmp_path), 16))
+    pipeline = preset if hw_decoder_load is None else \
+        functools.partial(dali_presets.image_classification, hw_decoder_load=hw_decoder_load)
     outputs = {}
     for device in ("cpu", "gpu"):
         # eval transforms: no randomness to compare; pinned memory asked for, as training scripts do
-        with coordl.DataLoader(dataset, batch_size=8, backend="dali", dali_pipeline=preset, dali_device=device,
+        with coordl.DataLoader(dataset, batch_size=8, backend="dali", dali_pipeline=pipeline, dali_device=device,
                                cache_bytes=0, pin_memory=True) as loader:
             outputs[device] = list(loader)
     for cpu_batch, gpu_batch in zip(outputs["cpu"], outputs["gpu"]):
