@@ -118,9 +118,9 @@ def write(encoded: Encoded, buf, epoch: int, batch: int, write_at=None) -> None:
     time that the job's workers need (a fifth of a staged batch's CPU on two cores, measured). Stacks are
     torch's: in torch's workers on their one thread (elsewhere, with ``num_workers=0`` or for batches
     taken over, on the training process's intra-op threads). With ``write_at(offset, data)``
-    (``Segment.write_at``: the file behind a fresh ``buf``, as every staging writer passes) the other
-    tensors' bytes go through it instead, also with the GIL released: writing a new segment's pages
-    through its file spares faulting each into this process (a batch of images in a third less CPU,
+    (``Segment.write_at``: the file behind ``buf``, a new segment or a spare one taken over, as every staging
+    writer passes) the other tensors' bytes go through it instead, also with the GIL released: writing a
+    segment's pages through its file spares faulting each into this process (a batch of images in a third less CPU,
     ``results/staging-cost-e49389b``)."""
     stamp(buf, epoch, batch)
     np.ndarray((1,), np.int64, buf, 24)[0] = len(encoded.meta)
