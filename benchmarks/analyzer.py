@@ -23,8 +23,11 @@ Every run and every analysis gets a fresh cgroup and a shm folder of its own (no
 Memory is bounded: the cgroup (each server's, on the multi-server rows) holds the processes to what they
 hold, plus the row's cache as shared memory from the start, plus a page cache of :data:`PAGE_CACHE_BUDGET`
 bytes (the cache is the job's whole memory for data), the bound following them every 20 ms
-(``benchmarks.storage_env.MemoryFollower``); each run's page cache (99th percentile and peak), held memory
-and limit hits are recorded (``memory``) and a run over its budget is named in ``over_budget``. The
+(``benchmarks.storage_env.MemoryFollower``): a one-server run's from the moment its job has built its loader
+(its imports and start-up unbounded, as in ``benchmarks.coordprep``: in a short run they would make most of
+the samples), an analysis's and each server's of a multi-server row from their start. Each run's page cache
+(99th percentile and peak), held memory and limit hits are recorded (``memory``) and a run over its budget is
+named in ``over_budget``. The
 loader drops what it reads from the page cache (``drop_page_cache=True``), so each epoch's misses come
 from the device, which the cgroup's counters check (``device_bytes_per_epoch``). Configurations run in a
 shuffled order. ``results.json``: ``configs: [{cache_fraction, read_mbps, workers, predicted_samples_per_s,
@@ -116,14 +119,15 @@ def over_budget_of(done: dict) -> list[str]:
     return [m["over_budget"] for m in done["memory"] if m["over_budget"]]
 
 
-def _run(cmd: list[str], group, timeout_s: float, where: str) -> tuple[str, int, list[dict]]:
+def _run(cmd: list[str], group, timeout_s: float, where: str, measure_when=None) -> tuple[str, int, list[dict]]:
     """Run ``cmd`` in ``group`` (None: in none) with a shm folder of its own; its stdout, the device bytes it
-    read and what its group held (``[memory_figures]``, named with ``where``; [] in none)."""
+    read and what its group held (``[memory_figures]``, named with ``where``; [] in none), followed from the
+    start or from the moment ``measure_when()`` is true."""
     shm = tempfile.mkdtemp(prefix=f"{PREFIX}-analyzer-", dir=shm_dir())
     previous = os.environ.get("COORDL_SHM_DIR")
     os.environ["COORDL_SHM_DIR"] = shm
     try:
-        result = run_child(cmd, timeout_s, group)
+        result = run_child(cmd, timeout_s, group, measure_when)
         read = device_read_bytes(group.counter()) if group else 0
     finally:
         if group:
@@ -221,8 +225,10 @@ def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     1/P)."""
     group = _cgroup(cleanup, storage, config)
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
+    started = out + ".started"  # the job's loader is built: its memory is bounded and sampled from then on
     _, read, memory = _run([sys.executable, JOB, storage.root, *_job_args(config, args), "--epochs",
-                            str(args.epochs), "--out", out], group, 1800, "run")
+                            str(args.epochs), "--out", out, "--started", started], group, 1800, "run",
+                           lambda: os.path.exists(started))
     with open(out) as f:
         epochs = json.load(f)
     steady = epochs[1:]

@@ -2,8 +2,9 @@
 ``coordl.DataLoader`` (random crops, shuffled, persistent workers), a training step of ``--step-ms``.
 
 ``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--backend dali]
-[--out FILE]``
-writes ``loader.stats()``'s epochs to FILE (JSON) at the end. Under torchrun with several ranks, each rank
+[--out FILE] [--started FILE]``
+writes ``loader.stats()``'s epochs to FILE (JSON) at the end, and creates the ``--started`` file once its loader
+is built, before its first epoch. Under torchrun with several ranks, each rank
 takes its share of every epoch (``DistributedSampler``), all-reduces after each step as DDP does, and
 writes FILE.rank<RANK>.
 """
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--out")
+    parser.add_argument("--started")
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(64, antialias=True), transforms.ToTensor()]))
@@ -45,6 +47,8 @@ def main() -> None:
                                num_workers=args.workers, persistent_workers=args.workers > 0,
                                cache_bytes=args.cache_bytes, backend=args.backend,
                                drop_page_cache=True)  # with no cache too: every epoch reads the device
+    if args.started:
+        open(args.started, "w").close()
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)

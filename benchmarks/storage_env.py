@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from coordl._proc_group import remove_torch_segments, stop_group, watch
 
@@ -505,12 +506,13 @@ class MemoryFollower:
     moves ``cgroup``'s memory bound to what its processes hold (the most in the last
     :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`).
 
-    With ``measure_now=False`` the group is not bounded, and not sampled, until :meth:`measure`: its
-    processes start up (import their libraries, build their loaders) at full speed, and the bound and
-    its limit hits cover only what is measured."""
+    With ``measure_now=False`` the group is not bounded, and not sampled, until :meth:`measure`, or until
+    ``measure_when()`` first returns true: its processes start up (import their libraries, build their
+    loaders) at full speed, and the bound and its limit hits cover only what is measured."""
 
-    def __init__(self, cgroup: "Cgroup", measure_now: bool = True):
+    def __init__(self, cgroup: "Cgroup", measure_now: bool = True, measure_when: Callable[[], bool] | None = None):
         self.cgroup, self.samples, self.limit_hits = cgroup, [], None
+        self._measure_when = measure_when
         self._done, self._measuring = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._interval_s = follow_interval_s(cgroup.read_bps)
@@ -525,6 +527,8 @@ class MemoryFollower:
         while not self._done.wait(self._interval_s):
             with contextlib.suppress(OSError):
                 held, shmem, page_cache = self.cgroup.memory()
+                if not self._measuring.is_set() and self._measure_when is not None and self._measure_when():
+                    self.measure()
                 if not self._measuring.is_set():
                     self.cgroup.bound(10**15, shmem)
                     continue
@@ -558,13 +562,16 @@ class MemoryFollower:
         return memory_summary(self.samples, self.limit_hits) if self.samples else {}
 
 
-def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None) -> ChildResult:
+def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None,
+              measure_when: Callable[[], bool] | None = None) -> ChildResult:
     """Run ``cmd`` in its own process group, inside ``cgroup`` from its first instruction, for at most
-    ``timeout_s``, its memory followed by a :class:`MemoryFollower`. The whole process group is killed
-    when this returns, early or not (timeout, Ctrl-C, error), and the group's bounds lifted."""
+    ``timeout_s``, its memory followed by a :class:`MemoryFollower` (from the start, or from the moment
+    ``measure_when()`` is true). The whole process group is killed when this returns, early or not (timeout,
+    Ctrl-C, error), and the group's bounds lifted."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
-    follower = MemoryFollower(cgroup).start() if cgroup else None
+    follower = MemoryFollower(cgroup, measure_now=measure_when is None, measure_when=measure_when).start() \
+        if cgroup else None
     timed_out, memory, seen = False, {}, set()
     try:
         out, err = watch(proc, seen, timeout_s, wait=proc.communicate)

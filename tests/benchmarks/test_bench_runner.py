@@ -26,5 +26,6 @@ def test_a_run_past_its_time_is_stopped_with_sigterm_and_its_output_named(tmp_pa
 
 
 def test_a_run_within_its_time_returns_its_status_and_output():
-    done = run_to_end([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], 30)
+    script = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    done = run_to_end([sys.executable, "-c", script], 30)
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")

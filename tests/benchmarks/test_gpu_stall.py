@@ -139,5 +139,6 @@ def test_the_dali_loaders_alone_and_coordl_dalis_epochs_on_the_plan_drawn_ahead(
 def test_a_hardware_decoder_share_outside_0_to_1_is_refused_before_anything_is_made(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         gpu_stall.main(["--device", "cpu", "--hw-decoder-load", "1.5", "--out", str(tmp_path / "out")])
-    assert stop.value.code == 2 and "--hw-decoder-load should be a share from 0 to 1, not 1.5" in capsys.readouterr().err
+    assert stop.value.code == 2
+    assert "--hw-decoder-load should be a share from 0 to 1, not 1.5" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -305,15 +305,18 @@ while not os.path.exists(sys.argv[2]):
 
 @needs_loop
 @needs_cgroups
-def test_a_group_is_bounded_and_sampled_only_from_the_moment_it_is_measured(tmp_path, source):
+@pytest.mark.parametrize("told", ["measure()", "measure_when"])
+def test_a_group_is_bounded_and_sampled_only_from_the_moment_it_is_measured(tmp_path, source, told):
     """What a group's processes take while they start up (256 MiB at once, beyond the headroom) is not
-    held to the bound; from measure() on the group is bounded to what it holds, and sampled."""
-    ready, go = tmp_path / "ready", tmp_path / "go"
+    held to the bound; from measure() on, or from the first tick where ``measure_when()`` is true, the group
+    is bounded to what it holds, and sampled."""
+    ready, go, started = tmp_path / "ready", tmp_path / "go", tmp_path / "started"
     with Cleanup() as cleanup:
         (tmp_path / "work").mkdir()
         disk = copy_to_loop_disk(cleanup, str(tmp_path / "work"), source)
         group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-measure", cgroup_version(), disk.device, 10**9, 2**20)
-        follower = MemoryFollower(group, measure_now=False).start()
+        follower = MemoryFollower(group, measure_now=False,
+                                  measure_when=started.exists if told == "measure_when" else None).start()
         child = subprocess.Popen([sys.executable, "-c", STARTS_UP, str(ready), str(go)], preexec_fn=group.join)
         try:
             deadline = time.monotonic() + 60
@@ -322,7 +325,10 @@ def test_a_group_is_bounded_and_sampled_only_from_the_moment_it_is_measured(tmp_
             assert ready.exists(), "the child did not start up"
             assert _memory_limit(group) >= 10**15 // 2  # not bounded yet
             assert follower.samples == []
-            follower.measure()
+            if told == "measure()":
+                follower.measure()
+            else:
+                started.touch()
             time.sleep(0.3)
             bound = _memory_limit(group)
             go.touch()
