@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 
 from benchmarks import report
 from benchmarks.metrics import spread
@@ -119,7 +120,8 @@ def over_budget_of(done: dict) -> list[str]:
     return [m["over_budget"] for m in done["memory"] if m["over_budget"]]
 
 
-def _run(cmd: list[str], group, timeout_s: float, where: str, measure_when=None) -> tuple[str, int, list[dict]]:
+def _run(cmd: list[str], group, timeout_s: float, where: str,
+         measure_when: Callable[[], bool] | None = None) -> tuple[str, int, list[dict]]:
     """Run ``cmd`` in ``group`` (None: in none) with a shm folder of its own; its stdout, the device bytes it
     read and what its group held (``[memory_figures]``, named with ``where``; [] in none), followed from the
     start or from the moment ``measure_when()`` is true."""

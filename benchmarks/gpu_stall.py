@@ -227,23 +227,41 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def _steady_rates(trial_rows: list[dict]) -> tuple[float, float, float]:
+    """One trial's steady epochs (after the first): samples/s, and the shares of their time the loop waited,
+    and waited for their first batches."""
+    steady = [r for r in trial_rows if r["epoch"] > 1]
+    time_s = sum(r["time_s"] for r in steady)
+    return sum(r["samples"] for r in steady) / time_s, sum(r["wait_s"] for r in steady) / time_s, \
+        sum(r["first_wait_s"] for r in steady) / time_s
+
+
+def dali_ratios(rows: list[dict]) -> dict[str, list[float]]:
+    """Per step, coordl-dali's steady samples/s over plain DALI's in the same trial, trial by trial (the trials
+    where both ran)."""
+    def rate(system, step, trial):
+        own = [r for r in rows if (r["system"], r["step"], r["trial"]) == (system, step, trial)]
+        return _steady_rates(own)[0] if own else None
+
+    out = {}
+    for step in sorted({r["step"] for r in rows}):
+        pairs = [(rate("coordl-dali", step, t), rate("dali", step, t)) for t in sorted({r["trial"] for r in rows})]
+        if ratios := [ours / theirs for ours, theirs in pairs if ours and theirs]:
+            out[step] = ratios
+    return out
+
+
 def summarize(rows: list[dict], batch_size: int) -> list[dict]:
     """Per system and step: the median over trials of the steady epochs' samples/s, with min and max,
     the stall against ``G``, the loop's waiting share, the share of its epochs' time it waited for
     their first batches (``edge_fraction``), and the first batch's extra wait (:func:`epoch_edge_s`) over
     all steady epochs of all trials, in ms: median and quartiles (``edge_ms``, ``edge_ms_q1``, ``edge_ms_q3``)."""
-    def steady_rate(trial_rows):
-        steady = [r for r in trial_rows if r["epoch"] > 1]
-        time_s = sum(r["time_s"] for r in steady)
-        return sum(r["samples"] for r in steady) / time_s, sum(r["wait_s"] for r in steady) / time_s, \
-            sum(r["first_wait_s"] for r in steady) / time_s
-
     keys = sorted({(r["system"], r["step"]) for r in rows}, key=lambda k: (k[1] != "resnet18", SYSTEMS.index(k[0])))
     out = []
     for system, step in keys:
         own = [r for r in rows if (r["system"], r["step"]) == (system, step)]
         trials = sorted({r["trial"] for r in own})
-        rates = [steady_rate([r for r in own if r["trial"] == t]) for t in trials]
+        rates = [_steady_rates([r for r in own if r["trial"] == t]) for t in trials]
         edge = _quartiles([1000 * epoch_edge_s(r, batch_size) for r in own if r["epoch"] > 1] or [0.0])
         out.append({"system": system, "step": step, "samples_per_s": statistics.median(r for r, _, _ in rates),
                     "min": min(r for r, _, _ in rates), "max": max(r for r, _, _ in rates),
@@ -315,11 +333,12 @@ def _edge_text(s: dict) -> str:
 
 def edges(argv: list[str]) -> None:
     """``python -m benchmarks.gpu_stall edges DIR [DIR ...]``: the runs' epoch edges again from their
-    ``results.json`` and ``setup.json`` (runs written before the summary had them included), then, for several
-    runs, every steady epoch of them all pooled."""
+    ``results.json`` and ``setup.json`` (runs written before the summary had them included) and coordl-dali
+    over plain DALI trial by trial (:func:`dali_ratios`), then, for several runs, every steady epoch and every
+    trial of them all pooled."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stall edges", description=edges.__doc__)
     parser.add_argument("dirs", nargs="+", help="--out folders of earlier runs")
-    folders, pooled = parser.parse_args(argv).dirs, {}
+    folders, pooled, pooled_ratios = parser.parse_args(argv).dirs, {}, {}
     for folder in folders:
         try:
             with open(os.path.join(folder, "results.json")) as f:
@@ -338,11 +357,18 @@ def edges(argv: list[str]) -> None:
                   f"samples/s  edge {_edge_text(s)} ms{ahead}")
             pooled.setdefault((s["system"], s["step"]), []).extend(
                 1000 * epoch_edge_s(r, batch_size) for r in own if r["epoch"] > 1)
+        for step, ratios in dali_ratios(rows).items():
+            print(f"  coordl-dali / dali {step:8s} {statistics.median(ratios):.3f} "
+                  f"(trials: {', '.join(f'{x:.2f}' for x in ratios)})")
+            pooled_ratios.setdefault(step, []).extend(ratios)
     if len(folders) > 1:
         print("pooled:")
         for (system, step), values in pooled.items():
             q1, q2, q3 = _quartiles(values)
             print(f"  {system:12s} {step:8s} edge {q2:+.1f} [{q1:+.1f} to {q3:+.1f}] ms over {len(values)} epochs")
+        for step, ratios in pooled_ratios.items():
+            print(f"  coordl-dali / dali {step:8s} {statistics.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+                  f" over {len(ratios)} trials")
 
 
 def write_markdown(path: str, summary: list[dict], analyses: list[dict], failed: dict, setup_info: dict) -> None:

@@ -506,9 +506,9 @@ class MemoryFollower:
     moves ``cgroup``'s memory bound to what its processes hold (the most in the last
     :data:`FOLLOW_WINDOW_S`) and samples its page cache (see :func:`memory_summary`).
 
-    With ``measure_now=False`` the group is not bounded, and not sampled, until :meth:`measure`, or until
-    ``measure_when()`` first returns true: its processes start up (import their libraries, build their
-    loaders) at full speed, and the bound and its limit hits cover only what is measured."""
+    With ``measure_now=False``, or with ``measure_when``, the group is not bounded, and not sampled, until
+    :meth:`measure`, or until ``measure_when()`` first returns true: its processes start up (import their
+    libraries, build their loaders) at full speed, and the bound and its limit hits cover only what is measured."""
 
     def __init__(self, cgroup: "Cgroup", measure_now: bool = True, measure_when: Callable[[], bool] | None = None):
         self.cgroup, self.samples, self.limit_hits = cgroup, [], None
@@ -517,7 +517,7 @@ class MemoryFollower:
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._interval_s = follow_interval_s(cgroup.read_bps)
         self._started, self._hits_before = time.monotonic(), 0
-        if measure_now:
+        if measure_now and measure_when is None:
             self._measuring.set()
 
     def _follow(self) -> None:
@@ -570,8 +570,7 @@ def run_child(cmd: list[str], timeout_s: float, cgroup: Cgroup | None = None,
     Ctrl-C, error), and the group's bounds lifted."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=cgroup.join if cgroup else None)
-    follower = MemoryFollower(cgroup, measure_now=measure_when is None, measure_when=measure_when).start() \
-        if cgroup else None
+    follower = MemoryFollower(cgroup, measure_when=measure_when).start() if cgroup else None
     timed_out, memory, seen = False, {}, set()
     try:
         out, err = watch(proc, seen, timeout_s, wait=proc.communicate)

@@ -34,6 +34,16 @@ def test_the_summary_counts_steady_epochs_takes_the_median_trial_and_the_stall_a
     assert [s["system"] for s in summarize(rows, batch_size=100)] == ["synthetic", "torch", "dali"]
 
 
+def test_coordl_dali_is_set_against_plain_dali_trial_by_trial_where_both_ran():
+    rows = (_epochs("coordl-dali", "resnet18", 0, [5, 800, 800]) + _epochs("dali", "resnet18", 0, [5, 1000, 1000])
+            + _epochs("coordl-dali", "resnet18", 1, [5, 900]) + _epochs("dali", "resnet18", 1, [5, 600])
+            + _epochs("dali", "resnet18", 2, [5, 700])  # no coordl-dali in this trial
+            + _epochs("coordl-dali", "none", 0, [5, 2000]) + _epochs("dali", "none", 0, [5, 1000])
+            + _epochs("synthetic", "resnet18", 0, [5, 4000]))
+    assert gpu_stall.dali_ratios(rows) == {"resnet18": pytest.approx([0.8, 1.5]), "none": pytest.approx([2.0])}
+    assert gpu_stall.dali_ratios(_epochs("dali", "none", 0, [5, 1000])) == {}
+
+
 def _edged(trial, first_waits, rest_wait, batches=4, batch_size=10, system="coordl-dali"):
     """Epochs of ``batches`` batches (the last one short) whose first waits are ``first_waits`` and whose other
     batches wait ``rest_wait`` each."""
@@ -63,8 +73,10 @@ def test_edges_summarizes_earlier_runs_one_by_one_and_pooled(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     a_row = next(line for line in out[out.index(f"{tmp_path / 'a'}:"):] if "coordl-dali" in line)
     assert "edge +2.0 [+2.0 to +2.0] ms  on the plan drawn ahead 2, on another 0" in a_row
+    assert "  coordl-dali / dali none     1.000 (trials: 1.00)" in out  # the same samples in the same time
     pooled = out[out.index("pooled:"):]
     assert any("coordl-dali" in line and "edge +21.0 [+2.0 to +40.0] ms over 4 epochs" in line for line in pooled)
+    assert "  coordl-dali / dali none     1.000 [1.00-1.00] over 2 trials" in pooled
     assert any("dali " in line and "edge +0.0 [+0.0 to +0.0] ms over 4 epochs" in line for line in pooled)
     with pytest.raises(SystemExit, match="not a benchmarks.gpu_stall run"):
         gpu_stall.main(["edges", str(tmp_path)])

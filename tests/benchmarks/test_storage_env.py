@@ -315,8 +315,8 @@ def test_a_group_is_bounded_and_sampled_only_from_the_moment_it_is_measured(tmp_
         (tmp_path / "work").mkdir()
         disk = copy_to_loop_disk(cleanup, str(tmp_path / "work"), source)
         group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-measure", cgroup_version(), disk.device, 10**9, 2**20)
-        follower = MemoryFollower(group, measure_now=False,
-                                  measure_when=started.exists if told == "measure_when" else None).start()
+        follower = (MemoryFollower(group, measure_now=False) if told == "measure()" else
+                    MemoryFollower(group, measure_when=started.exists)).start()
         child = subprocess.Popen([sys.executable, "-c", STARTS_UP, str(ready), str(go)], preexec_fn=group.join)
         try:
             deadline = time.monotonic() + 60
