@@ -508,7 +508,9 @@ class MemoryFollower:
 
     With ``measure_now=False``, or with ``measure_when``, the group is not bounded, and not sampled, until
     :meth:`measure`, or until ``measure_when()`` first returns true: its processes start up (import their
-    libraries, build their loaders) at full speed, and the bound and its limit hits cover only what is measured."""
+    libraries, build their loaders) at full speed, and the bound and its limit hits cover only what is measured.
+    The first measured tick bounds the group without sampling it: the page cache start-up left beyond the
+    budget is squeezed back first, so it is not counted as the run's."""
 
     def __init__(self, cgroup: "Cgroup", measure_now: bool = True, measure_when: Callable[[], bool] | None = None):
         self.cgroup, self.samples, self.limit_hits = cgroup, [], None
@@ -524,6 +526,7 @@ class MemoryFollower:
         with contextlib.suppress(OSError):  # not preempted between a squeeze and the bound after it
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))  # (this thread only)
         recent = collections.deque()  # (time, held)
+        bounded = False
         while not self._done.wait(self._interval_s):
             with contextlib.suppress(OSError):
                 held, shmem, page_cache = self.cgroup.memory()
@@ -537,7 +540,9 @@ class MemoryFollower:
                 while recent[0][0] < now - FOLLOW_WINDOW_S:
                     recent.popleft()
                 self.cgroup.bound(max(h for _, h in recent), shmem, page_cache, held)
-                self.samples.append((now - self._started, held, page_cache, shmem))
+                if bounded:
+                    self.samples.append((now - self._started, held, page_cache, shmem))
+                bounded = True
 
     def start(self) -> "MemoryFollower":
         self._started = time.monotonic()

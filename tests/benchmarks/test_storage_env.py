@@ -339,3 +339,24 @@ def test_a_group_is_bounded_and_sampled_only_from_the_moment_it_is_measured(tmp_
     assert 256 * 2**20 < bound < 256 * 2**20 + 2**20 + storage_env.HEADROOM_BYTES + 64 * 2**20
     assert follower.samples[0][1] >= 256 * 2**20  # the first sample comes after the start-up
     assert memory["limit_hits"] == 0
+
+
+@needs_loop
+@needs_cgroups
+def test_what_start_up_leaves_in_the_page_cache_is_squeezed_back_before_the_first_sample(tmp_path):
+    """A child reads 16 MiB while it starts up (not bounded: all of it stays in its group's page cache),
+    then says it has started: the first measured tick squeezes that back, so no sample counts it."""
+    source, work, started = tmp_path / "src", tmp_path / "work", tmp_path / "started"
+    _tree(source, 8, 2 * 2**20)
+    work.mkdir()
+    with Cleanup() as cleanup:
+        disk = copy_to_loop_disk(cleanup, str(work), str(source))
+        evict_files(disk.root)
+        group = cleanup.cgroup(f"{PREFIX}-{os.getpid()}-start-up", cgroup_version(), disk.device, 10**9, 0)
+        files = " ".join(os.path.join(disk.root, name) for name in sorted(os.listdir(disk.root)))
+        result = run_child(["sh", "-c", f"cat {files} > /dev/null && touch {started} && sleep 0.5"], 60, group,
+                           measure_when=started.exists)
+        group.remove()
+    assert result.returncode == 0, result.stderr
+    assert result.memory["samples"] >= 5
+    assert result.memory["peak_page_cache_bytes"] <= storage_env.SLACK_BYTES + 2 * 2**20, result.memory
