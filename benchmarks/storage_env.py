@@ -347,12 +347,13 @@ class Cgroup:
         events = dict(line.split() for line in _read(os.path.join(memory_dir, "memory.events")).splitlines())
         return int(events.get("high", 0)) + int(events.get("max", 0))
 
-    def bound(self, held: int, shmem: int, page_cache: int = 0, held_now: int | None = None) -> None:
+    def bound(self, held: int, shmem: int, page_cache: int = 0, held_now: int | None = None,
+              slack: int = SLACK_BYTES) -> None:
         """Set the memory limit for ``held`` (the recent peak of what is held): that, the part of the
         shared-memory reserve not yet taken, the page-cache budget and the headroom (``headroom_bytes``,
         default :data:`HEADROOM_BYTES`) for allocations between two updates. A ``page_cache`` above its
-        budget plus :data:`SLACK_BYTES` is first squeezed back to that: the limit is lowered for a
-        moment to what is held now (``held_now``) plus that, and the kernel reclaims the tail of its
+        budget plus ``slack`` (default :data:`SLACK_BYTES`) is first squeezed back to that: the limit is lowered
+        for a moment to what is held now (``held_now``) plus that, and the kernel reclaims the tail of its
         own LRU lists. So the page cache never keeps the headroom, or the part of the reserve not yet
         taken, which it would otherwise fill."""
         name = "memory.limit_in_bytes" if self.version == 1 else "memory.high"
@@ -365,8 +366,8 @@ class Cgroup:
         except FileNotFoundError:  # the group is gone
             return
         try:  # the squeeze and the bound back to back: the group is squeezed for as short a time as can be
-            if self.page_cache_bytes is not None and page_cache > budget + SLACK_BYTES:
-                squeeze = (held if held_now is None else held_now) + budget + SLACK_BYTES  # the reserve too
+            if self.page_cache_bytes is not None and page_cache > budget + slack:
+                squeeze = (held if held_now is None else held_now) + budget + slack  # the reserve too
                 with contextlib.suppress(OSError):  # EBUSY: could not reclaim down to it yet; the next call will
                     os.write(fd, f"{squeeze}\n".encode())
             with contextlib.suppress(OSError):
@@ -509,8 +510,8 @@ class MemoryFollower:
     With ``measure_now=False``, or with ``measure_when``, the group is not bounded, and not sampled, until
     :meth:`measure`, or until ``measure_when()`` first returns true: its processes start up (import their
     libraries, build their loaders) at full speed, and the bound and its limit hits cover only what is measured.
-    The first measured tick bounds the group without sampling it: the page cache start-up left beyond the
-    budget is squeezed back first, so it is not counted as the run's."""
+    The first measured tick bounds the group without sampling it, squeezing its page cache back to the
+    budget with no slack: what start-up left there is not counted as the run's."""
 
     def __init__(self, cgroup: "Cgroup", measure_now: bool = True, measure_when: Callable[[], bool] | None = None):
         self.cgroup, self.samples, self.limit_hits = cgroup, [], None
@@ -539,7 +540,8 @@ class MemoryFollower:
                 recent.append((now, held))
                 while recent[0][0] < now - FOLLOW_WINDOW_S:
                     recent.popleft()
-                self.cgroup.bound(max(h for _, h in recent), shmem, page_cache, held)
+                self.cgroup.bound(max(h for _, h in recent), shmem, page_cache, held,
+                                  SLACK_BYTES if bounded else 0)
                 if bounded:
                     self.samples.append((now - self._started, held, page_cache, shmem))
                 bounded = True
