@@ -23,9 +23,9 @@ Every run and every analysis gets a fresh cgroup and a shm folder of its own (no
 Memory is bounded: the cgroup (each server's, on the multi-server rows) holds the processes to what they
 hold, plus the row's cache as shared memory from the start, plus a page cache of :data:`PAGE_CACHE_BUDGET`
 bytes (the cache is the job's whole memory for data), the bound following them every 20 ms
-(``benchmarks.storage_env.MemoryFollower``): a one-server run's from the moment its job has built its loader
-(its imports and start-up unbounded, as in ``benchmarks.coordprep``: in a short run they would make most of
-the samples), an analysis's and each server's of a multi-server row from their start. Each run's page cache
+(``benchmarks.storage_env.MemoryFollower``): a run's (each server's, on a multi-server row) from the moment
+its job has built its loader (its imports and start-up unbounded, as in ``benchmarks.coordprep``: in a short
+run they would make most of the samples), an analysis's from its start. Each run's page cache
 (99th percentile and peak), held memory and limit hits are recorded (``memory``) and a run over its budget is
 named in ``over_budget``. The
 loader drops what it reads from the page cache (``drop_page_cache=True``), so each epoch's misses come
@@ -57,7 +57,7 @@ from benchmarks.storage_env import (PREFIX, SLACK_BYTES, Cleanup, cgroup_version
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analyzer_job.py")
 FULL = dict(fractions=(0.0, 0.25, 0.5, 0.75, 1.0), mbps=(10.0, 20.0, 40.0), workers=(1, 2), reps=3)
-QUICK = dict(fractions=(0.0, 1.0), mbps=(10.0,), workers=(1,), reps=1)
+QUICK = dict(fractions=(0.0, 1.0), mbps=(4.0,), workers=(1,), reps=1)
 SERVERS_FULL = dict(fractions=(0.25, 0.5), mbps=(10.0, 20.0, 40.0), workers=(1,))
 SERVERS_QUICK = dict(fractions=(0.25,), mbps=(20.0,), workers=(1,))
 PAGE_CACHE_BUDGET = 0
@@ -162,18 +162,19 @@ def _job_args(config: dict, args) -> list[str]:
                              args.step_ms, "--backend", args.backend)]
 
 
-def _on_servers(storage, config: dict, work: str, argv_of, where: str, bounded: bool = True
-                ) -> tuple[int, list[dict]]:
+def _on_servers(storage, config: dict, work: str, argv_of, where: str, bounded: bool = True,
+                measure_when: Callable[[int], bool] | None = None) -> tuple[int, list[dict]]:
     """Run ``JOB`` on ``config["servers"]`` fresh servers, server k's torchrun node under ``argv_of(k)`` on
-    core k, each server's memory bounded as one run's (:func:`_cgroup`) unless not ``bounded``; the device
-    bytes they read and each bounded server's :func:`memory_figures` (named with ``where``). Raises
-    RuntimeError: one failed (with each server's log)."""
+    core k, each server's memory bounded as one run's (:func:`_cgroup`) unless not ``bounded`` (from the
+    start, or server k's from the moment ``measure_when(k)`` is true); the device bytes they read and each
+    bounded server's :func:`memory_figures` (named with ``where``). Raises RuntimeError: one failed (with
+    each server's log)."""
     from tests.cluster import Cluster
     n = config["servers"]
     cores = sorted(os.sched_getaffinity(0))
     with Cluster(n, os.path.join(work, f"cluster-{time.monotonic_ns()}"), device=storage.device,
                  read_bps=int(config["read_mbps"] * 1e6), page_cache_bytes=PAGE_CACHE_BUDGET if bounded else None,
-                 shm_reserve_bytes=config["cache_bytes"], isolation="netns") as cluster:
+                 shm_reserve_bytes=config["cache_bytes"], measure_when=measure_when, isolation="netns") as cluster:
         secret = secrets.token_hex(16)  # the job's, the same on every server
         for k in range(n):
             prefix, job = argv_of(k)
@@ -207,8 +208,10 @@ def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
     """One run of the job over ``config["servers"]`` servers: a rank's steady samples/s (the slowest's),
     device bytes per epoch (all servers), the hits' shares from the own cache and from the peers."""
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
+    started = out + ".started"  # server k's rank has built its loader at started.rank<k>: bounded from then on
     read, memory = _on_servers(storage, config, work, lambda k: (
-        [], [storage.root, *_job_args(config, args), "--epochs", str(args.epochs), "--out", out]), "run")
+        [], [storage.root, *_job_args(config, args), "--epochs", str(args.epochs), "--out", out, "--started",
+             started]), "run", measure_when=lambda k: os.path.exists(f"{started}.rank{k}"))
     ranks = []
     for rank in range(config["servers"]):
         with open(f"{out}.rank{rank}") as f:
@@ -313,17 +316,22 @@ def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
 
 
 def warm_up(cleanup: Cleanup, storage, args, work: str, servers: int) -> None:
-    """``coordl analyze`` of the job over a few images on the real disk, outside any cgroup (and, with
-    ``servers`` above 1, on that many servers, unbounded), so that the libraries and code it loads are in
-    the page cache, charged to no measured group: the bounded runs then hold only their own pages."""
+    """``coordl analyze`` of the job over a few images on the real disk, outside any cgroup, with a cache of
+    part of them and with one of all of them (and, with ``servers`` above 1, on that many servers,
+    unbounded), so that the libraries and code it loads are in the page cache, charged to no measured group:
+    the bounded runs then hold only their own pages. (A page first loaded in a measured group is squeezed
+    out with the group's page cache and loaded again, charged again, by each process after it.)"""
     from coordl.synthetic import make_image_folder
     root = os.path.join(work, "warm-up")
     make_image_folder(root, 48, mean_side_px=args.mean_side_px, seed=args.seed + 1)
+    whole = 2 * sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     small = argparse.Namespace(**{**vars(args), "iters": 6, "warmup": 1})
     config = {"read_mbps": max(FULL["mbps"]), "workers": 1, "cache_bytes": 2**20, "servers": servers}
     print("warming up (libraries into the page cache, outside the measured cgroups) ...", flush=True)
     warm = types.SimpleNamespace(root=root, device=storage.device)
-    analyze(cleanup, warm, config, small, os.path.join(work, "warm-up-analysis"), bounded=False)
+    for cache_bytes in (config["cache_bytes"], whole):  # a cache full before the end runs code of its own
+        analyze(cleanup, warm, {**config, "cache_bytes": cache_bytes}, small,
+                os.path.join(work, f"warm-up-analysis-{cache_bytes}"), bounded=False)
     if servers > 1:
         analyze_servers(cleanup, warm, config, small, os.path.join(work, "warm-up-servers"), bounded=False)
 

@@ -6,7 +6,7 @@
 writes ``loader.stats()``'s epochs to FILE (JSON) at the end, and creates the ``--started`` file once its loader
 is built, before its first epoch. Under torchrun with several ranks, each rank
 takes its share of every epoch (``DistributedSampler``), all-reduces after each step as DDP does, and
-writes FILE.rank<RANK>.
+writes FILE.rank<RANK> (and the ``--started`` file with the same suffix).
 """
 
 import argparse
@@ -48,7 +48,7 @@ def main() -> None:
                                cache_bytes=args.cache_bytes, backend=args.backend,
                                drop_page_cache=True)  # with no cache too: every epoch reads the device
     if args.started:
-        open(args.started, "w").close()
+        open(args.started + (f".rank{os.environ['RANK']}" if ranks > 1 else ""), "w").close()
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)

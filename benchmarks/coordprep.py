@@ -104,6 +104,8 @@ def cpu_split(jobs: list[list[dict]], epochs: int) -> dict:
 
 
 CPU_KEYS = ("main_cpu_ms_per_decoded_sample", "workers_cpu_ms_per_decoded_sample", "cores_busy")
+PAGE_CACHE_KEYS = ("p50_page_cache_bytes", "p99_page_cache_bytes", "peak_page_cache_bytes")
+"""The group's page cache (``memory_summary``) a run's summary keeps; over runs, the worst run's."""
 
 
 def staged_batch_bytes(batch_size: int) -> int:
@@ -262,8 +264,7 @@ def _summary(system: dict, epochs: int, dataset_images: int, dataset_bytes: int)
         "decoded_x_dataset": [round(d / dataset_images, 2) for d in decoded],
         "device_read_bytes": system["device_read_bytes"],
         "device_read_x_dataset_per_epoch": round(system["device_read_bytes"] / dataset_bytes / epochs, 2),
-        "peak_page_cache_bytes": system["memory"].get("peak_page_cache_bytes"),
-        "p99_page_cache_bytes": system["memory"].get("p99_page_cache_bytes"),
+        **{key: system["memory"].get(key) for key in PAGE_CACHE_KEYS},
         "page_cache_budget_bytes": system["page_cache_budget_bytes"],
         "over_budget": system.get("over_budget"),
         "staging_peak_bytes": group["peak_staged_bytes"] if group else None,
@@ -284,7 +285,7 @@ def _over_runs(rows: list[dict], baseline: list[dict] | None) -> dict:
                over_budget=next((r["over_budget"] for r in rows if r["over_budget"]), None), runs=rows)
     for key in CPU_KEYS:
         out[key] = statistics.median(r[key] for r in rows)
-    for key in ("peak_page_cache_bytes", "p99_page_cache_bytes", "staging_peak_bytes"):
+    for key in (*PAGE_CACHE_KEYS, "staging_peak_bytes"):
         values = [r[key] for r in rows if r[key] is not None]
         out[key] = max(values) if values else None
     if baseline is not None:

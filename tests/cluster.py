@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -95,7 +96,9 @@ class Cluster:
     each node's cgroup counts (:meth:`device_read_bytes`) and, with ``read_bps``, throttles.
     ``page_cache_bytes`` (with ``device``): bound each node's memory (cgroup v1) to what its processes
     hold (RSS and its /dev/shm) plus this page cache, with ``shm_reserve_bytes`` of its /dev/shm (its
-    cache) counted from the start; :attr:`memory` holds each node's figures once closed. ``isolation``:
+    cache) counted from the start; with ``measure_when``, node k is bounded and sampled only from the moment
+    ``measure_when(k)`` is first true (its start-up unbounded: see ``MemoryFollower``); :attr:`memory` holds
+    each node's figures once closed. ``isolation``:
     ``"netns"`` or ``"loopback"`` forces a mode (``"netns"`` raises where it cannot be made); ``"auto"``
     falls back to loopback. A context manager: leaving it (also on
     an exception) is :meth:`close`.
@@ -111,7 +114,7 @@ class Cluster:
 
     def __init__(self, nodes: int, workdir: str, *, shm_bytes: int = 512 * 2**20, device: str | None = None,
                  read_bps: int | None = None, page_cache_bytes: int | None = None, shm_reserve_bytes: int = 0,
-                 isolation: str = "auto"):
+                 measure_when: Callable[[int], bool] | None = None, isolation: str = "auto"):
         if isolation not in ("auto", "netns", "loopback"):
             raise ValueError(f"isolation must be auto, netns or loopback, not {isolation!r}")
         if (read_bps or page_cache_bytes is not None) and not device:
@@ -133,12 +136,13 @@ class Cluster:
         os.makedirs(workdir, exist_ok=True)
         atexit.register(self.close)
         try:
-            self._setup(nodes, isolation, page_cache_bytes, shm_reserve_bytes)
+            self._setup(nodes, isolation, page_cache_bytes, shm_reserve_bytes, measure_when)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, nodes: int, isolation: str, page_cache_bytes: int | None, shm_reserve_bytes: int) -> None:
+    def _setup(self, nodes: int, isolation: str, page_cache_bytes: int | None, shm_reserve_bytes: int,
+               measure_when: Callable[[int], bool] | None) -> None:
         why = ["requested"] if isolation != "auto" else []
         no_private = _private_namespaces() if os.geteuid() == 0 else "not root"
         self.mode, subnet = "loopback", f"10.213.{_RNG.randint(1, 250)}"
@@ -166,7 +170,7 @@ class Cluster:
         with open(os.path.join(self.workdir, "hosts"), "w") as f:
             f.write("127.0.0.1 localhost\n::1 localhost\n")
             f.writelines(f"{addr} {name}\n" for addr, name in zip(self.addresses, self.names))
-        if not self._make_cgroups(page_cache_bytes, shm_reserve_bytes):
+        if not self._make_cgroups(page_cache_bytes, shm_reserve_bytes, measure_when):
             why.append("no cgroups (not root, or not cgroup v1)")
         self.why = "; ".join(why)
         self.master_addr = self.addresses[0]
@@ -186,7 +190,8 @@ class Cluster:
             _tool("ip", "-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "eth0")
             _tool("ip", "-n", ns, "link", "set", "eth0", "up")
 
-    def _make_cgroups(self, page_cache_bytes: int | None, shm_reserve_bytes: int) -> bool:
+    def _make_cgroups(self, page_cache_bytes: int | None, shm_reserve_bytes: int,
+                      measure_when: Callable[[int], bool] | None) -> bool:
         """Each node's cgroups; False where they cannot be made."""
         if os.geteuid() != 0 or cgroup_version() != 1:
             if self.device or page_cache_bytes is not None:
@@ -197,7 +202,8 @@ class Cluster:
                 group = Cgroup(name, 1, self.device, self.read_bps or COUNT_ONLY_BPS, page_cache_bytes,
                                shm_reserve_bytes=shm_reserve_bytes)
                 self._cgroup_dirs[i] += group.dirs
-                self._followers.append(MemoryFollower(group).start())
+                when = (lambda node=i: measure_when(node)) if measure_when else None
+                self._followers.append(MemoryFollower(group, measure_when=when).start())
                 continue
             blkio = os.path.join(CGROUP_ROOT, "blkio", name)
             os.mkdir(blkio)

@@ -48,7 +48,7 @@ def test_quick_run(tmp_path):
     assert two["peer_hit_fraction"][0] > 0  # the steady epoch took some of its misses from the other server
     assert len(glob.glob(str(out / "analyses" / "config-*" / "server1" / "analysis.json"))) == 1
     cold, cached = sorted((c for c in configs if c["servers"] == 1), key=lambda c: c["cache_fraction"])
-    assert cold["bottleneck"] == "fetch"  # 10 MB/s and no cache
+    assert cold["bottleneck"] == "fetch"  # 4 MB/s and no cache: each miss waits about 4x a sample's prep
     assert min(cold["device_bytes_per_epoch"]) >= 0.9 * result["dataset_bytes"]  # every epoch from the device
     assert max(cached["device_bytes_per_epoch"]) <= 0.6 * result["dataset_bytes"]  # 1 of 2 epochs
     assert cold["run_miss_wait_s"][0] > 0 and cached["run_miss_wait_s"] == [None]  # the steady epoch: no misses
@@ -63,7 +63,7 @@ def test_quick_run(tmp_path):
     assert result["page_cache_budget_bytes"] == 0 and result["over_budget"] == []
     setup = json.loads((out / "setup.json").read_text())
     assert setup["provenance"]["git_sha"] and setup["settings"]["reps"] == 1
-    assert "| 1 | 100% | 10 |" in (out / "results.md").read_text()
+    assert "| 1 | 100% | 4 |" in (out / "results.md").read_text()
     assert _leftovers() == before
 
 

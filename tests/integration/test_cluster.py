@@ -163,3 +163,32 @@ def test_a_nodes_page_cache_is_held_to_its_budget(make_cluster, tmp_path):
     assert memory["samples"] > 0 and memory["p50_page_cache_bytes"] <= 8 * 2**20 + SLACK_BYTES + 2**20, memory
     assert memory["peak_page_cache_bytes"] < 0.75 * size, memory
     assert_nothing_left(cluster)
+
+
+def test_a_node_measured_from_a_moment_is_unbounded_and_unsampled_until_then(make_cluster, tmp_path):
+    """With ``measure_when``, a node reads a 32 MiB file twice unbounded (the second pass from its page cache),
+    then says it has started: from then on its page cache is squeezed back to the 8 MiB budget, and only that
+    is sampled."""
+    data = tmp_path / "data"
+    data.mkdir()
+    size = 32 * 2**20
+    (data / "blob").write_bytes(os.urandom(size))
+    started = tmp_path / "started"
+    with Cleanup() as cleanup:
+        try:
+            disk = copy_to_loop_disk(cleanup, str(tmp_path), str(data))
+            cluster = make_cluster(1, device=disk.device, read_bps=40 * 10**6, page_cache_bytes=8 * 2**20,
+                                   measure_when=lambda node: started.exists())
+        except OSError as e:
+            pytest.skip(f"no loop device or memory cgroup: {e}")
+        evict_files(disk.root)
+        blob = os.path.join(disk.root, "blob")
+        reader = cluster.exec(0, ["sh", "-c", f"cat {blob} > /dev/null; cat {blob} > /dev/null; touch {started}; "
+                                              "sleep 1"])
+        assert reader.wait(RUN_S) == 0
+        read = cluster.device_read_bytes(0)
+        cluster.close()  # before the disk is unmounted
+    assert size <= read < 1.2 * size  # the second pass found the whole file in the unbounded page cache
+    memory = cluster.memory[0]
+    assert memory["samples"] > 0 and memory["peak_page_cache_bytes"] <= 8 * 2**20 + SLACK_BYTES, memory
+    assert_nothing_left(cluster)
