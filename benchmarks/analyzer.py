@@ -299,6 +299,11 @@ def markdown(result: dict, setup: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def file_sizes(root: str) -> list[int]:
+    """The size of every file under ``root``."""
+    return [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
+
+
 def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
     """``images`` generated JPEGs copied onto a throttled loop device of their own, every page dropped so
     that each run starts cold: the work folder, the storage and the files' sizes."""
@@ -309,7 +314,7 @@ def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
     make_image_folder(source, images, mean_side_px=args.mean_side_px, seed=args.seed)
     storage = prepare_storage("cgroup", source, cleanup, work)
     evict_files(storage.root)
-    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(storage.root) for f in fs]
+    sizes = file_sizes(storage.root)
     print(f"dataset {len(sizes)} files, {sum(sizes) / 2**20:.1f} MiB on {storage.dataset_on} ({storage.detail})",
           flush=True)
     return work, storage, sizes
@@ -324,7 +329,7 @@ def warm_up(cleanup: Cleanup, storage, args, work: str, servers: int) -> None:
     from coordl.synthetic import make_image_folder
     root = os.path.join(work, "warm-up")
     make_image_folder(root, 48, mean_side_px=args.mean_side_px, seed=args.seed + 1)
-    whole = 2 * sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    whole = 2 * sum(file_sizes(root))
     small = argparse.Namespace(**{**vars(args), "iters": 6, "warmup": 1})
     config = {"read_mbps": max(FULL["mbps"]), "workers": 1, "cache_bytes": 2**20, "servers": servers}
     print("warming up (libraries into the page cache, outside the measured cgroups) ...", flush=True)

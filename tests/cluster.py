@@ -321,16 +321,18 @@ class Cluster:
 
     def kill(self, node: int, match: str | None = None, sig: int = signal.SIGKILL) -> list[int]:
         """Send ``sig`` to ``node``'s processes whose command line contains ``match`` (all if None); with
-        SIGKILL, again until none is left (children they forked meanwhile). Returns the pids signalled."""
+        SIGKILL, again until none is left (children they forked meanwhile) and every one signalled is gone
+        (a killed process stays in its cgroup while it exits). Returns the pids signalled."""
         signalled = []
         deadline = time.monotonic() + KILL_TRIES_S
         while time.monotonic() < deadline:
-            targets = [p for p in self.pids(node) if p not in signalled and (match is None or match in _cmdline(p))]
+            live = self.pids(node)
+            targets = [p for p in live if p not in signalled and (match is None or match in _cmdline(p))]
             for pid in targets:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
                 signalled.append(pid)
-            if sig != signal.SIGKILL or not targets:
+            if sig != signal.SIGKILL or not targets and not set(signalled) & set(live):
                 break
             time.sleep(0.05)
         return signalled

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -91,10 +92,36 @@ def test_exec_logs_into_a_node_and_kill_takes_it_down(make_cluster):
     assert (hostname, address, shm) == (cluster.names[1], cluster.addresses[1], "cdl-shm")  # the node's own
     assert cgroup.endswith(f"/{cluster.names[1]}")
     worker = workers(cluster, 0)
-    assert cluster.kill(0, match=WORKER) == worker and cluster.pids(0)  # not torchrun, nor the sh running it
+    assert cluster.kill(0, match=WORKER) == worker  # not torchrun, nor the sh running it ...
+    assert cluster.wait(RUN_S, nodes=[0]) == [1]  # ... which report the worker's death
     assert cluster.kill(1)
-    assert cluster.wait(10, nodes=[1]) == [-9]
     assert cluster.pids(1) == []
+    assert cluster.wait(10, nodes=[1]) == [-9]
+    cluster.close()
+    assert_nothing_left(cluster)
+
+
+def test_kill_returns_once_the_killed_processes_are_gone(make_cluster, monkeypatch):
+    """A killed process stays in its node while it exits: with every signal landing 0.5 s after it is sent,
+    :meth:`Cluster.kill` still returns only once none of the node's processes is left."""
+    cluster = make_cluster(1)
+    cluster.launch(0, JOB, ["sleep", "300"])
+    deadline = time.monotonic() + RUN_S
+    while not workers(cluster, 0):
+        assert time.monotonic() < deadline, cluster.log(0)
+        time.sleep(0.2)
+    send = os.kill
+
+    def send_late(pid: int, sig: int) -> None:
+        def deliver():
+            with contextlib.suppress(ProcessLookupError):
+                send(pid, sig)
+        threading.Timer(0.5, deliver).start()
+
+    monkeypatch.setattr(os, "kill", send_late)
+    assert cluster.kill(0)
+    assert cluster.pids(0) == []
+    monkeypatch.undo()
     cluster.close()
     assert_nothing_left(cluster)
 
@@ -138,30 +165,40 @@ def test_device_reads_are_counted_per_node(make_cluster, tmp_path):
     assert_nothing_left(cluster)
 
 
-def test_a_nodes_page_cache_is_held_to_its_budget(make_cluster, tmp_path):
-    """A node bounded to 8 MiB of page cache reads a 32 MiB file twice at 20 MB/s: the kernel cannot keep
-    it, so the second pass reads the device again; the page cache is squeezed back to its budget and slack
-    whenever it outgrows them (by a read-ahead window between two looks)."""
+BLOB_BYTES = 32 * 2**20
+BUDGET_BYTES = 8 * 2**20
+
+
+def read_a_blob_twice(make_cluster, tmp_path, then: str = ":", **bounds) -> tuple[int, dict, object]:
+    """A node bounded to :data:`BUDGET_BYTES` of page cache (``bounds``: the rest of its bounds) reads a
+    :data:`BLOB_BYTES` file on a loop disk twice, then runs the shell's ``then``: the device bytes it read,
+    its memory figures and the closed cluster. Skips where there is no loop device or memory cgroup."""
     data = tmp_path / "data"
     data.mkdir()
-    size = 32 * 2**20
-    (data / "blob").write_bytes(os.urandom(size))
+    (data / "blob").write_bytes(os.urandom(BLOB_BYTES))
     with Cleanup() as cleanup:
         try:
             disk = copy_to_loop_disk(cleanup, str(tmp_path), str(data))
-            cluster = make_cluster(1, device=disk.device, read_bps=20 * 10**6, page_cache_bytes=8 * 2**20)
+            cluster = make_cluster(1, device=disk.device, page_cache_bytes=BUDGET_BYTES, **bounds)
         except OSError as e:
             pytest.skip(f"no loop device or memory cgroup: {e}")
         evict_files(disk.root)
         blob = os.path.join(disk.root, "blob")
-        reader = cluster.exec(0, ["sh", "-c", f"cat {blob} > /dev/null; cat {blob} > /dev/null"])
+        reader = cluster.exec(0, ["sh", "-c", f"cat {blob} > /dev/null; cat {blob} > /dev/null; {then}"])
         assert reader.wait(RUN_S) == 0
         read = cluster.device_read_bytes(0)
         cluster.close()  # before the disk is unmounted
-    assert read >= 1.8 * size, read
-    memory = cluster.memory[0]
-    assert memory["samples"] > 0 and memory["p50_page_cache_bytes"] <= 8 * 2**20 + SLACK_BYTES + 2**20, memory
-    assert memory["peak_page_cache_bytes"] < 0.75 * size, memory
+    return read, cluster.memory[0], cluster
+
+
+def test_a_nodes_page_cache_is_held_to_its_budget(make_cluster, tmp_path):
+    """A node bounded to 8 MiB of page cache reads a 32 MiB file twice at 20 MB/s: the kernel cannot keep
+    it, so the second pass reads the device again; the page cache is squeezed back to its budget and slack
+    whenever it outgrows them (by a read-ahead window between two looks)."""
+    read, memory, cluster = read_a_blob_twice(make_cluster, tmp_path, read_bps=20 * 10**6)
+    assert read >= 1.8 * BLOB_BYTES, read
+    assert memory["samples"] > 0 and memory["p50_page_cache_bytes"] <= BUDGET_BYTES + SLACK_BYTES + 2**20, memory
+    assert memory["peak_page_cache_bytes"] < 0.75 * BLOB_BYTES, memory
     assert_nothing_left(cluster)
 
 
@@ -169,26 +206,9 @@ def test_a_node_measured_from_a_moment_is_unbounded_and_unsampled_until_then(mak
     """With ``measure_when``, a node reads a 32 MiB file twice unbounded (the second pass from its page cache),
     then says it has started: from then on its page cache is squeezed back to the 8 MiB budget, and only that
     is sampled."""
-    data = tmp_path / "data"
-    data.mkdir()
-    size = 32 * 2**20
-    (data / "blob").write_bytes(os.urandom(size))
     started = tmp_path / "started"
-    with Cleanup() as cleanup:
-        try:
-            disk = copy_to_loop_disk(cleanup, str(tmp_path), str(data))
-            cluster = make_cluster(1, device=disk.device, read_bps=40 * 10**6, page_cache_bytes=8 * 2**20,
-                                   measure_when=lambda node: started.exists())
-        except OSError as e:
-            pytest.skip(f"no loop device or memory cgroup: {e}")
-        evict_files(disk.root)
-        blob = os.path.join(disk.root, "blob")
-        reader = cluster.exec(0, ["sh", "-c", f"cat {blob} > /dev/null; cat {blob} > /dev/null; touch {started}; "
-                                              "sleep 1"])
-        assert reader.wait(RUN_S) == 0
-        read = cluster.device_read_bytes(0)
-        cluster.close()  # before the disk is unmounted
-    assert size <= read < 1.2 * size  # the second pass found the whole file in the unbounded page cache
-    memory = cluster.memory[0]
-    assert memory["samples"] > 0 and memory["peak_page_cache_bytes"] <= 8 * 2**20 + SLACK_BYTES, memory
+    read, memory, cluster = read_a_blob_twice(make_cluster, tmp_path, f"touch {started}; sleep 1",
+                                              read_bps=40 * 10**6, measure_when=lambda node: started.exists())
+    assert BLOB_BYTES <= read < 1.2 * BLOB_BYTES  # the second pass found the whole file in the unbounded page cache
+    assert memory["samples"] > 0 and memory["peak_page_cache_bytes"] <= BUDGET_BYTES + SLACK_BYTES, memory
     assert_nothing_left(cluster)
