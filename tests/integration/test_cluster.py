@@ -57,6 +57,14 @@ def workers(cluster, node: int) -> list[int]:
     return found
 
 
+def wait_for_workers(cluster, nodes) -> None:
+    """Until each of ``nodes`` runs its torchrun workers (fails with the nodes' logs after ``RUN_S``)."""
+    deadline = time.monotonic() + RUN_S
+    while not all(workers(cluster, node) for node in nodes):
+        assert time.monotonic() < deadline, [cluster.log(n) for n in nodes]
+        time.sleep(0.2)
+
+
 def assert_nothing_left(cluster) -> None:
     """No namespace, cgroup or process of ``cluster`` is left."""
     if cluster.mode == "netns":
@@ -82,10 +90,7 @@ def test_nodes_have_their_own_address_shm_and_hostname(make_cluster, tmp_path):
 def test_exec_logs_into_a_node_and_kill_takes_it_down(make_cluster):
     cluster = netns_cluster(make_cluster, 2)
     cluster.launch_all(JOB, ["sleep", "300"])
-    deadline = time.monotonic() + RUN_S
-    while not all(map(workers, (cluster, cluster), (0, 1))):
-        assert time.monotonic() < deadline, [cluster.log(n) for n in (0, 1)]
-        time.sleep(0.2)
+    wait_for_workers(cluster, (0, 1))
     shell = "hostname; hostname -i; grep blkio /proc/self/cgroup; df --output=source /dev/shm"
     login = cluster.exec(1, ["sh", "-c", shell], stdout=subprocess.PIPE, text=True)
     hostname, address, cgroup, _, shm = login.communicate(timeout=RUN_S)[0].split()
@@ -106,10 +111,7 @@ def test_kill_returns_once_the_killed_processes_are_gone(make_cluster, monkeypat
     :meth:`Cluster.kill` still returns only once none of the node's processes is left."""
     cluster = make_cluster(1)
     cluster.launch(0, JOB, ["sleep", "300"])
-    deadline = time.monotonic() + RUN_S
-    while not workers(cluster, 0):
-        assert time.monotonic() < deadline, cluster.log(0)
-        time.sleep(0.2)
+    wait_for_workers(cluster, (0,))
     send = os.kill
 
     def send_late(pid: int, sig: int) -> None:
