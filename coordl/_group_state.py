@@ -55,6 +55,9 @@ a consumer takes a batch only once :meth:`GroupState.holds` confirms, under the 
 (epoch, batch, seq, ready), and it opens the batch's segment and sets its use bit under that same lock
 (taking and dropping the lock are system calls and thread-lock operations, which order memory: a
 writer's stores come before its unlock, the reader's loads after its lock). A stale hint is polled again.
+A producer waiting for room polls the same way (:meth:`GroupState.waits_for_room`): a poll that reads no
+room returns without the lock, so waiting producers leave it to the members that use or publish
+batches, and only :meth:`GroupState.reserve`, under the lock, hands a row out.
 The row cannot be freed before this member's bit is set, and sequence numbers (so segment names) are
 never reused within a group, so the segment opened holds the batch the row named; the batch's own header
 (epoch, batch id) is checked as it is read, and a mismatch, which only a segment changed by hand can
@@ -486,6 +489,27 @@ class GroupState:
             if int(self.ring[row, _R_USED]) & active == active:
                 self._free_row(int(row))
 
+    def _mine(self, slot: int, epoch: int, batch: int) -> bool:
+        """Whether ``batch`` of ``epoch`` is active member ``slot``'s to publish."""
+        h = self.header
+        return h[_H_EPOCH] == epoch and bool(int(h[_H_ACTIVE]) & 1 << slot) and self.owners[batch] == slot
+
+    def _no_room(self, batch: int, nbytes: int) -> bool:
+        """Whether ``batch`` of ``nbytes`` must wait: for its ring row, or for room in the capacity (which the
+        batch the slowest member needs next never waits for)."""
+        h, low = self.header, self._low()
+        return bool(batch >= low + STAGING_SLOTS or self.ring[batch % STAGING_SLOTS, _R_STATE] != _FREE
+                    or h[_H_STAGED_BYTES] + nbytes > h[_H_CAPACITY] and batch > low)
+
+    def waits_for_room(self, slot: int, epoch: int, batch: int, nbytes: int) -> bool:
+        """Whether :meth:`reserve` of member ``slot``'s ``batch`` would return None now, read without the lock.
+
+        A hint, as a poll is (NOTE [ Ring rows ]): True only where the fields read say the batch is the
+        member's, others are active and there is no room. A stale read says "no room" one poll too long,
+        or sends the caller to :meth:`reserve`, which decides under the lock.
+        """
+        return self._mine(slot, epoch, batch) and self.header[_H_ACTIVE] != 1 << slot and self._no_room(batch, nbytes)
+
     def reserve(self, slot: int, epoch: int, batch: int, nbytes: int, reuse: bool = False) -> int | None:
         """A ring row for member ``slot``'s ``batch`` if it may be staged now (NOTE [ Staging and use masks ]).
 
@@ -498,17 +522,14 @@ class GroupState:
             Its segment's sequence number; None while there is no room; :data:`ALONE`; :data:`NOT_MINE`.
         """
         h, bit = self.header, 1 << slot
-        if h[_H_EPOCH] != epoch or not int(h[_H_ACTIVE]) & bit or self.owners[batch] != slot:
+        if not self._mine(slot, epoch, batch):
             return NOT_MINE
         if h[_H_ACTIVE] == bit:
             self.members[slot, _M_PREPARED] += 1
             return ALONE
-        low, row = self._low(), batch % STAGING_SLOTS
-        if batch >= low + STAGING_SLOTS or self.ring[row, _R_STATE] != _FREE:
+        if self._no_room(batch, nbytes):
             return None
-        capacity, seq = int(h[_H_CAPACITY]), int(h[_H_SEQ]) + 1
-        if h[_H_STAGED_BYTES] + nbytes > capacity and batch > low:
-            return None
+        row, capacity, seq = batch % STAGING_SLOTS, int(h[_H_CAPACITY]), int(h[_H_SEQ]) + 1
         idle = self._idle_spares()
         same = [r for r in idle if self.spares[r, _S_NBYTES] == nbytes] if reuse else []
         taken = bool(same) and self._take_spare(same[0], seq)

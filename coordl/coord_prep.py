@@ -366,6 +366,8 @@ class HPGroup:
             no room yet; :data:`ALONE` if no other member needs it; :data:`NOT_MINE` if it is not this
             job's any more.
         """
+        if self._state.waits_for_room(self._slot, epoch, batch, nbytes):
+            return None  # seen without the lock: a producer polling for room leaves the lock to the others
         with self._locked() as state:
             seq = state.reserve(self._slot, epoch, batch, nbytes, reuse)
             if seq and seq != NOT_MINE and state.reused(batch, seq):

@@ -122,6 +122,22 @@ def test_a_stale_poll_is_polled_again_not_raised(members):
     assert stale_once == set(range(0, n, 2))  # a's batches, each polled stale once
 
 
+def test_a_producer_polling_for_room_leaves_the_lock_to_the_others(members):
+    """A reserve that finds no room, read without the lock, returns at once while another member holds the
+    group's lock; one that finds room waits for the lock and takes it."""
+    a, b = members(2, 8, expected_members=2)
+    ticket, _ = _start_together([a, b])
+    first, later = a.batches_of_mine()[:2]
+    big = 2 << 20  # more than the 1 MiB staging area: only the batch every member needs next is admitted
+    with ThreadPoolExecutor(1) as pool:
+        with b._locked():
+            assert pool.submit(a.reserve, ticket.epoch, later, big).result(_WAIT_S) is None
+            admitted = pool.submit(a.reserve, ticket.epoch, first, 1)
+            time.sleep(0.2)
+            assert not admitted.done()  # room: it waits for b's lock
+        assert admitted.result(_WAIT_S) > 0
+
+
 # -- interrupted epoch starts ---------------------------------------------------------------------------------
 
 

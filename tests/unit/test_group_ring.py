@@ -64,12 +64,13 @@ class _Member:
     """One member's producer and consumer, each step one call into the state as its threads would make it.
 
     ``got`` lists the batches its consumer took, in order. The producer reserves and commits in two steps,
-    so other members act while its batch is being written.
+    so other members act while its batch is being written. Before each reserve it reads the lock-free
+    hint, which may say "no room" only where reserve finds none (``no_room``: how often it did).
     """
 
     def __init__(self, state: GroupState, slot: int, epoch: int, nbytes: int):
         self.state, self.slot, self.epoch, self.nbytes = state, slot, epoch, nbytes
-        self.published, self.writing, self.got = set(), None, []
+        self.published, self.writing, self.got, self.no_room = set(), None, [], 0
 
     @property
     def done(self) -> bool:
@@ -83,7 +84,10 @@ class _Member:
             return
         todo = [b for b in self.state.batches_of(self.slot) if b not in self.published]
         if todo:
+            waits = self.state.waits_for_room(self.slot, self.epoch, todo[0], self.nbytes)
             seq = self.state.reserve(self.slot, self.epoch, todo[0], self.nbytes)
+            assert seq is None or not waits, f"the hint said no room for batch {todo[0]}, reserve found some"
+            self.no_room += waits
             if seq == ALONE:
                 self.published.add(todo[0])
             elif seq not in (None, NOT_MINE):
@@ -134,6 +138,7 @@ def test_every_member_gets_every_batch_once_within_the_capacity_and_the_ring_emp
         assert all(m.got == list(range(n)) for m in members)
         assert state.header[_H_STAGED_BYTES] == 0 and not np.any(state.ring[:, _R_STATE])
         assert sum(len(m.published) for m in members) == n  # each batch prepared once
+        assert sum(m.no_room for m in members) > 0  # the hint was checked where it said "no room"
     assert capacity < state.header[_H_PEAK_BYTES] <= capacity + nbytes
     assert len(set(unlinked)) == len(unlinked) == 2 * n  # every staged batch's segment removed, once
 
@@ -193,6 +198,28 @@ def test_a_member_failing_while_writing_loses_its_row_and_the_survivors_share_it
     _run(survivors, rng)
     assert all(s.got == list(range(n)) for s in survivors)
     assert state.header[_H_STAGED_BYTES] == 0 and not np.any(state.ring[:, _R_STATE])
+
+
+def test_the_lock_free_hint_says_no_room_only_where_reserve_finds_none(unlinked):
+    nbytes = 100
+    state = _group(STAGING_SLOTS + 4, 2, capacity=2 * nbytes)
+    epoch = _seal(state, [0, 1])  # slot 0 prepares the even batches, slot 1 the odd ones
+    waits = lambda slot, batch: state.waits_for_room(slot, epoch, batch, nbytes)  # noqa: E731
+    assert not waits(0, 0) and not waits(0, 2)  # room in their rows and the capacity
+    staged = {b: state.reserve(0, epoch, b, nbytes) for b in (0, 2)}
+    assert all(state.commit(0, epoch, b, seq) for b, seq in staged.items())
+    assert waits(0, 4) and state.reserve(0, epoch, 4, nbytes) is None  # the capacity is full
+    assert not waits(0, 1) and state.reserve(0, epoch, 1, nbytes) == NOT_MINE  # not slot 0's: reserve says so
+    state.set_cursor(0, 1)
+    state.set_cursor(1, 1)
+    state.release(1, epoch, 0, staged[0])  # both used batch 0: its row and room are freed
+    assert not waits(0, 4) and state.reserve(0, epoch, 4, nbytes) > 0  # full again, with batches 2 and 4
+    assert waits(1, 3) and state.reserve(1, epoch, 3, nbytes) is None  # nobody needs batch 3 yet
+    assert not waits(1, 1) and state.reserve(1, epoch, 1, nbytes) > 0  # both need batch 1: beyond the capacity
+    assert waits(0, STAGING_SLOTS + 2)  # past the window: slot 1 has not used batch 2
+    assert state.reserve(0, epoch, STAGING_SLOTS + 2, nbytes) is None
+    state.fail(1, "left")
+    assert not waits(0, 3) and state.reserve(0, epoch, 3, nbytes) == ALONE  # alone: reserve says so
 
 
 def test_the_last_member_left_stages_nothing(unlinked):
