@@ -216,7 +216,7 @@ def test_the_lock_free_hint_says_no_room_only_where_reserve_finds_none(unlinked)
     assert not waits(0, 4) and state.reserve(0, epoch, 4, nbytes) > 0  # full again, with batches 2 and 4
     assert waits(1, 3) and state.reserve(1, epoch, 3, nbytes) is None  # nobody needs batch 3 yet
     assert not waits(1, 1) and state.reserve(1, epoch, 1, nbytes) > 0  # both need batch 1: beyond the capacity
-    assert waits(0, STAGING_SLOTS + 2)  # past the window: slot 1 has not used batch 2
+    assert waits(0, STAGING_SLOTS + 2)  # past the window: batch 2, a ring before it, is not consumed yet
     assert state.reserve(0, epoch, STAGING_SLOTS + 2, nbytes) is None
     state.fail(1, "left")
     assert not waits(0, 3) and state.reserve(0, epoch, 3, nbytes) == ALONE  # alone: reserve says so
