@@ -147,9 +147,21 @@ def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> 
 
 
 def _target_columns(read_target, indices: Sequence[int]) -> list:
-    """The targets of a batch's samples, a column per target field."""
-    return [np.stack(column) if all(np.ndim(v) == 0 for v in column) else
-            [np.ascontiguousarray(v) for v in column] for column in zip(*(read_target(i) for i in indices))]
+    """The targets of a batch's samples, a column per target field (see :func:`_column`)."""
+    return [_column(values) for values in zip(*(read_target(i) for i in indices))]
+
+
+def _column(values: tuple) -> np.ndarray | list:
+    """One target field of a batch's samples: one array if every value is a scalar, else a list of
+    contiguous arrays. The array is made at once and checked after (the feed's per-sample Python is what
+    limits it on a GPU): a column of scalars is one dimension deep, any other fails or is deeper."""
+    try:
+        column = np.array(values)
+    except ValueError:  # values of different shapes
+        column = None
+    if column is not None and column.ndim == 1 and column.dtype != object:
+        return column
+    return [np.ascontiguousarray(v) for v in values]
 
 
 def _same_columns(a: list, b: list) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coordl.cached_dataset import COUNTER_FIELDS
-from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder
+from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder, _target_columns
 
 
 class _LazyPool:
@@ -191,3 +191,21 @@ def test_without_a_plan_ahead_the_feed_ends_with_the_epoch(plan):
     assert ahead.drawn_at == [len(this) - AHEAD_LEFT] and not feeder.goes_on
     with pytest.raises(StopIteration):
         feeder()
+
+
+@pytest.mark.parametrize("label", [np.int64, np.int32, np.float32, int])
+def test_a_column_of_scalar_targets_is_one_array_of_their_type(label):
+    [column] = _target_columns(lambda i: (label(3 * i),), [2, 0, 5])
+    assert isinstance(column, np.ndarray) and column.tolist() == [6, 0, 15]
+    assert column.dtype == np.stack([label(0)]).dtype
+
+
+@pytest.mark.parametrize("shapes", [[(2, 4), (2, 4)], [(1, 4), (3, 4)], [(0, 4), (0, 4)], [(1,), (1,)], [(1,), (2,)]])
+def test_a_column_of_arrays_is_a_list_of_contiguous_arrays(shapes):
+    """Detection targets: boxes of each sample's count, whether the counts agree or not (or are zero)."""
+    values = [np.asfortranarray(np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + k)  # not C-ordered
+              for k, shape in enumerate(shapes)]
+    boxes, labels = _target_columns(lambda i: (values[i], np.int64(i)), [0, 1])
+    assert isinstance(boxes, list) and [b.shape for b in boxes] == [v.shape for v in values]
+    assert all(b.flags.c_contiguous and np.array_equal(b, v) for b, v in zip(boxes, values))
+    assert isinstance(labels, np.ndarray) and labels.tolist() == [0, 1]
