@@ -137,10 +137,12 @@ def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> 
     scalars is one array; else a list of contiguous arrays (DALI takes either without a copy). Hits are
     views into the cache's mapping, not copies. The encoded samples are DALI tensors over those bytes,
     built here rather than by ``external_source`` on the thread that runs the pipeline (the training
-    loop's), which then only checks them."""
+    loop's), which then only checks them. A tensor holds the object whose bytes it wraps; bytes and views
+    of bytes are wrapped as they are, anything else through numpy, as uint8 either way."""
     from nvidia.dali.tensors import TensorCPU
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
-    encoded = [TensorCPU(np.frombuffer(raw, dtype=np.uint8), "")
+    encoded = [TensorCPU(raw if type(raw) is bytes or type(raw) is memoryview and raw.format == "B" else
+                         np.frombuffer(raw, dtype=np.uint8), "")
                for raw in cached.fetch_many(list(indices), row, views=True)]
     row[SAMPLES] += len(indices)
     return encoded, _target_columns(read_target, indices), row

@@ -3,7 +3,9 @@ runs each fetch only when its batch is asked for: an epoch starts with a few bat
 more per batch taken, up to its depth, every batch in plan order; where the next plan can be drawn ahead,
 it goes on into that plan, whose counts are the next epoch's, taken over or dropped when that epoch starts."""
 
+import array
 import concurrent.futures
+import mmap
 import types
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from coordl.cached_dataset import COUNTER_FIELDS
-from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder, _target_columns
+from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder, _fetch_batch, _target_columns
 
 
 class _LazyPool:
@@ -209,3 +211,22 @@ def test_a_column_of_arrays_is_a_list_of_contiguous_arrays(shapes):
     assert isinstance(boxes, list) and [b.shape for b in boxes] == [v.shape for v in values]
     assert all(b.flags.c_contiguous and np.array_equal(b, v) for b, v in zip(boxes, values))
     assert isinstance(labels, np.ndarray) and labels.tolist() == [0, 1]
+
+
+def test_fetched_bytes_are_wrapped_as_uint8_in_place_and_kept_alive():
+    """A hit's view into the cache's mapping, storage's bytes, and any other buffer become uint8 tensors over
+    the same bytes; each tensor holds what it wraps (the mapping cannot close while one exists)."""
+    mapping = mmap.mmap(-1, 4096)
+    mapping[:6] = b"abcdef"
+    raws = [memoryview(mapping)[1:4].toreadonly(), b"xyz", bytearray(b"qq"), array.array("H", [258]),
+            np.arange(3, dtype=np.uint8)]
+    fetched = types.SimpleNamespace(fetch_many=lambda indices, row, views: list(raws))
+    encoded, _, _ = _fetch_batch(fetched, lambda i: (np.int64(i),), list(range(len(raws))))
+    assert [bytes(np.array(t)) for t in encoded] == [bytes(r) for r in raws]
+    assert all(np.array(t).dtype == np.uint8 for t in encoded)
+    assert encoded[0].data_ptr() == np.frombuffer(raws[0], dtype=np.uint8).ctypes.data  # no copy
+    raws.clear()
+    with pytest.raises(BufferError):
+        mapping.close()  # the first tensor still holds its view
+    del encoded
+    mapping.close()
