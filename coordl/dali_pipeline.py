@@ -132,18 +132,19 @@ def target_reader(dataset) -> tuple[Callable[[int], tuple] | None, str]:
     return None, f"{type(dataset).__name__} has no labels coordl can read (define dali_target(i) or targets)"
 
 
-def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> tuple[list, list, np.ndarray]:
+def _fetch_batch(cached: CachedDataset, read_target, indices: Sequence[int]) -> tuple[Any, list, np.ndarray]:
     """In a fetch thread: (encoded samples, target columns, counter deltas) of one batch. A column of
     scalars is one array; else a list of contiguous arrays (DALI takes either without a copy). Hits are
-    views into the cache's mapping, not copies. The encoded samples are DALI tensors over those bytes,
-    built here rather than by ``external_source`` on the thread that runs the pipeline (the training
-    loop's), which then only checks them. A tensor holds the object whose bytes it wraps; bytes and views
-    of bytes are wrapped as they are, anything else through numpy, as uint8 either way."""
-    from nvidia.dali.tensors import TensorCPU
+    views into the cache's mapping, not copies. The encoded samples are one DALI tensor list over those
+    bytes, not contiguous (no copy), built here rather than by ``external_source`` on the thread that runs
+    the pipeline (the training loop's), which takes a tensor list as it is where it checks and converts a
+    list sample by sample. Each tensor holds the object whose bytes it wraps, and the list its tensors;
+    bytes and views of bytes are wrapped as they are, anything else through numpy, as uint8 either way."""
+    from nvidia.dali.tensors import TensorCPU, TensorListCPU
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
-    encoded = [TensorCPU(raw if type(raw) is bytes or type(raw) is memoryview and raw.format == "B" else
-                         np.frombuffer(raw, dtype=np.uint8), "")
-               for raw in cached.fetch_many(list(indices), row, views=True)]
+    encoded = TensorListCPU([TensorCPU(raw if type(raw) is bytes or type(raw) is memoryview and raw.format == "B"
+                                       else np.frombuffer(raw, dtype=np.uint8), "")
+                             for raw in cached.fetch_many(list(indices), row, views=True)], None, contiguous=False)
     row[SAMPLES] += len(indices)
     return encoded, _target_columns(read_target, indices), row
 

@@ -1,5 +1,6 @@
 """The DALI backend on the CPU: presets, the epoch plan, the cache, errors, and the plain-DALI baselines."""
 
+import collections
 import functools
 import gc
 import json
@@ -168,6 +169,30 @@ def test_hits_fed_from_the_cache_in_place_decode_as_the_files_do(image_root):
     assert len(first) == len(second) == N_IMAGES // 8
     for (a, a_labels), (b, b_labels) in zip(first, second):
         assert torch.equal(a_labels, b_labels) and torch.equal(a, b)
+
+
+def test_the_training_loops_thread_feeds_a_batch_without_checking_its_samples_one_by_one(image_root, monkeypatch):
+    """DALI's ``external_source`` runs on the thread that runs the pipeline, the training loop's; handed a list
+    it checks and converts each sample there, handed a tensor list it takes it as it is. The fetch threads
+    hand it one, so the loop's work per batch does not grow with the batch."""
+    from nvidia.dali import external_source
+    shapes_read = collections.Counter()
+    get_shape = external_source._get_shape
+
+    def counted(data):
+        shapes_read[threading.current_thread().name] += 1
+        return get_shape(data)
+
+    monkeypatch.setattr(external_source, "_get_shape", counted)
+    dataset = _indexed(image_root)
+    whole = 2 * sum(os.path.getsize(f) for f in dataset.files)
+    with coordl.DataLoader(dataset, batch_size=16, shuffle=True, num_workers=2, backend="dali", cache_bytes=whole,
+                           cache_name=f"dali-one-list-{os.getpid()}") as loader:
+        labels = [torch.cat([batch[1] for batch in loader]).sort().values.tolist() for _ in range(2)]
+    assert labels == [list(range(N_IMAGES))] * 2
+    batches = 2 * N_IMAGES // 16 + AHEAD_BATCHES  # and those fed from the plan drawn ahead
+    assert 0 < sum(shapes_read.values()) <= batches  # the label column's shape, once a batch
+    assert set(shapes_read) == {threading.main_thread().name}
 
 
 def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
