@@ -16,7 +16,7 @@ from coordl._worker import exit_when_orphaned, own_row
 from coordl.exceptions import SampleError
 from coordl.minio_cache import MinIOCache
 from coordl.raw_datasets import RawBytesDataset
-from coordl.storage import Storage, is_current
+from coordl.storage import Storage, stamper
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
                   "storage_wait_ns", "peer_wait_ns", "prep_ns")
@@ -164,12 +164,8 @@ class CachedDataset(torch.utils.data.Dataset):
         """
         if self.cache is not None and torch.utils.data.get_worker_info() is not None:
             exit_when_orphaned(self._release)
-        raws, misses = [], []
-        for k, index in enumerate(indices):
-            raw = self._cached(index, row, views)
-            raws.append(raw)
-            if raw is None:
-                misses.append(k)
+        raws = self._cached_many(indices, row, views)
+        misses = [k for k, raw in enumerate(raws) if raw is None]
         if not misses:
             return raws
         pending = None
@@ -202,20 +198,36 @@ class CachedDataset(torch.utils.data.Dataset):
         return raws
 
     def _cached(self, index: int, row: np.ndarray, view: bool = False):
-        """The node's cached bytes of ``index`` (``view``: a view, not a copy) if they are current, else None
-        (counted ``stale`` if not)."""
+        """The node's cached bytes of ``index`` (see :meth:`_cached_many`), or None."""
         cache = self.cache
-        if cache is None:
-            return None
-        raw = cache.view(index) if view else cache.get(index)
-        if raw is None:
-            return None
-        if is_current(self.storage, self.source.raw_key(index), cache.stamp(index)):
-            row[_HITS] += 1
-            row[_CACHE_BYTES] += len(raw)
-            return raw
-        row[_STALE] += 1
-        return None
+        raw = cache.view(index) if cache is not None else None
+        return self._current([index], [None if raw is None else (raw, cache.stamp(index))], row, view)[0]
+
+    def _cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
+        """The node's cached bytes of each of ``indices`` (``views``: views, not copies) that is current, else
+        None (counted ``stale`` if cached but not current)."""
+        cache = self.cache
+        found = cache.views(indices) if cache is not None else [None] * len(indices)
+        return self._current(indices, found, row, views)
+
+    def _current(self, indices: list[int], found: list, row: np.ndarray, views: bool) -> list:
+        """Of the cached ``(view, stamp)`` (or None) ``found`` for ``indices``, the bytes still current (views
+        or copies), else None; counted as hits and stale."""
+        stamp, raw_key = stamper(self.storage), self.source.raw_key
+        raws, hits, hit_bytes, stale = [], 0, 0, 0
+        for index, item in zip(indices, found):
+            raw = None
+            if item is not None:
+                view, cached = item
+                if stamp is None or stamp(raw_key(index)) == cached:
+                    raw, hits, hit_bytes = view if views else bytes(view), hits + 1, hit_bytes + len(view)
+                else:
+                    stale += 1
+            raws.append(raw)
+        row[_HITS] += hits
+        row[_CACHE_BYTES] += hit_bytes
+        row[_STALE] += stale
+        return raws
 
     def _from_storage(self, index: int, row: np.ndarray) -> bytes:
         """``index`` read from storage and offered to the cache (unless its cached copy is stale: taken)."""

@@ -384,6 +384,18 @@ class MinIOCache:
         start = views.data_at + int(views.offsets[index])
         return views.data[start:start + int(views.lengths[index])]
 
+    def views(self, indices: list[int]) -> list[tuple[memoryview, tuple[int, int, int]] | None]:
+        """:meth:`view` and :meth:`stamp` of each of ``indices`` in a few array reads for them all (a batch's
+        hits): (view, stamp) for an item that is cached, None for one that is not. Takes no lock. Whether
+        each is ready is read first: a ready item's place and stamp were written before it became ready."""
+        views = self._ensure()
+        at = np.asarray(indices, dtype=np.int64)
+        ready = (views.status[at] == _READY).tolist()
+        starts, lengths = (views.offsets[at] + views.data_at).tolist(), views.lengths[at].tolist()
+        stamps, data = views.stamps[at].tolist(), views.data
+        return [(data[start:start + length], (stamp[0], stamp[1], length)) if is_ready else None
+                for is_ready, start, length, stamp in zip(ready, starts, lengths, stamps)]
+
     def stamp(self, index: int) -> tuple[int, int, int]:
         """The stamp item ``index`` was put with, its length last (zeros before it if none); read it once
         :meth:`get` or :meth:`view` returned the item."""

@@ -93,6 +93,22 @@ def test_a_view_is_the_cached_bytes_read_only_without_a_copy():
         del view
 
 
+def test_a_batchs_views_are_each_items_view_and_stamp_and_none_for_a_miss():
+    with MinIOCache(_name(), n_items=5, capacity_bytes=1 << 20, fingerprint=bytes(32)) as cache:
+        cache.put(0, b"first", (11, 12, 5))
+        cache.put(2, b"the third item")
+        cache.put(4, b"")
+        found = cache.views([2, 1, 0, 0, 3, 4])
+        assert [None if f is None else (bytes(f[0]), f[1]) for f in found] == [
+            (b"the third item", (0, 0, 14)), None, (b"first", (11, 12, 5)), (b"first", (11, 12, 5)), None,
+            (b"", (0, 0, 0))]
+        for k, index in ((0, 2), (2, 0), (5, 4)):
+            view, stamp = found[k]
+            assert view.readonly and view == cache.view(index) and stamp == cache.stamp(index)
+        assert cache.views([]) == []
+        del found, view
+
+
 def _descriptors_on(inode: tuple[int, int]) -> int:
     """This process's open descriptors on the file ``(st_dev, st_ino)`` (also once it is removed)."""
     found = 0
