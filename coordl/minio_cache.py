@@ -77,6 +77,8 @@ _LABEL_AT, _LABEL_LEN = 512, 512
 _HEADER_BYTES = 4096
 _USERS_AT = _HEADER_BYTES
 _EMPTY, _READY, _ORPHANED = 0, 1, 2
+VIEWS_AT_ONCE = 6
+"""Items from which :meth:`MinIOCache.views` reads them all at once (fewer: one by one is faster)."""
 _FULL, _SHM_SHORT = 1, 2  # why a cache froze (the _H_FROZEN value)
 _PAGE = 4096
 _STAMP_FIELDS = 2
@@ -387,7 +389,10 @@ class MinIOCache:
     def views(self, indices: list[int]) -> list[tuple[memoryview, tuple[int, int, int]] | None]:
         """:meth:`view` and :meth:`stamp` of each of ``indices`` in a few array reads for them all (a batch's
         hits): (view, stamp) for an item that is cached, None for one that is not. Takes no lock. Whether
-        each is ready is read first: a ready item's place and stamp were written before it became ready."""
+        each is ready is read first: a ready item's place and stamp were written before it became ready. Fewer
+        than :data:`VIEWS_AT_ONCE` items are read one by one."""
+        if len(indices) < VIEWS_AT_ONCE:
+            return [None if (view := self.view(index)) is None else (view, self.stamp(index)) for index in indices]
         views = self._ensure()
         at = np.asarray(indices, dtype=np.int64)
         ready = (views.status[at] == _READY).tolist()

@@ -98,15 +98,19 @@ def test_a_batchs_views_are_each_items_view_and_stamp_and_none_for_a_miss():
         cache.put(0, b"first", (11, 12, 5))
         cache.put(2, b"the third item")
         cache.put(4, b"")
-        found = cache.views([2, 1, 0, 0, 3, 4])
-        assert [None if f is None else (bytes(f[0]), f[1]) for f in found] == [
-            (b"the third item", (0, 0, 14)), None, (b"first", (11, 12, 5)), (b"first", (11, 12, 5)), None,
-            (b"", (0, 0, 0))]
+        batch = [2, 1, 0, 0, 3, 4]
+        assert len(batch) >= minio_cache.VIEWS_AT_ONCE  # read at once; a few items are read one by one
+        found = cache.views(batch)
+        one_by_one = [f for i in batch for f in cache.views([i])]
+        for items in (found, one_by_one, cache.views(batch[:2]) + cache.views(batch[2:])):
+            assert [None if f is None else (bytes(f[0]), f[1]) for f in items] == [
+                (b"the third item", (0, 0, 14)), None, (b"first", (11, 12, 5)), (b"first", (11, 12, 5)), None,
+                (b"", (0, 0, 0))]
         for k, index in ((0, 2), (2, 0), (5, 4)):
             view, stamp = found[k]
             assert view.readonly and view == cache.view(index) and stamp == cache.stamp(index)
         assert cache.views([]) == []
-        del found, view
+        del found, one_by_one, items, view
 
 
 def _descriptors_on(inode: tuple[int, int]) -> int:
