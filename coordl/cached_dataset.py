@@ -199,23 +199,17 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def _cached(self, index: int, row: np.ndarray, view: bool = False):
         """The node's cached bytes of ``index`` (see :meth:`_cached_many`), or None."""
-        cache = self.cache
-        raw = cache.view(index) if cache is not None else None
-        return self._current([index], [None if raw is None else (raw, cache.stamp(index))], row, view)[0]
+        return self._cached_many([index], row, view)[0]
 
     def _cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """The node's cached bytes of each of ``indices`` (``views``: views, not copies) that is current, else
-        None (counted ``stale`` if cached but not current)."""
+        None; counted as hits, and as stale if cached but not current."""
         cache = self.cache
-        found = cache.views(indices) if cache is not None else [None] * len(indices)
-        return self._current(indices, found, row, views)
-
-    def _current(self, indices: list[int], found: list, row: np.ndarray, views: bool) -> list:
-        """Of the cached ``(view, stamp)`` (or None) ``found`` for ``indices``, the bytes still current (views
-        or copies), else None; counted as hits and stale."""
+        if cache is None:
+            return [None] * len(indices)
         stamp, raw_key = stamper(self.storage), self.source.raw_key
         raws, hits, hit_bytes, stale = [], 0, 0, 0
-        for index, item in zip(indices, found):
+        for index, item in zip(indices, cache.views(indices)):
             raw = None
             if item is not None:
                 view, cached = item
@@ -224,9 +218,11 @@ class CachedDataset(torch.utils.data.Dataset):
                 else:
                     stale += 1
             raws.append(raw)
-        row[_HITS] += hits
-        row[_CACHE_BYTES] += hit_bytes
-        row[_STALE] += stale
+        if hits:  # each add to the row costs as much as a hit's other steps
+            row[_HITS] += hits
+            row[_CACHE_BYTES] += hit_bytes
+        if stale:
+            row[_STALE] += stale
         return raws
 
     def _from_storage(self, index: int, row: np.ndarray) -> bytes:
