@@ -197,10 +197,6 @@ class CachedDataset(torch.utils.data.Dataset):
                         raws[k] = raw
         return raws
 
-    def _cached(self, index: int, row: np.ndarray, view: bool = False):
-        """The node's cached bytes of ``index`` (see :meth:`_cached_many`), or None."""
-        return self._cached_many([index], row, view)[0]
-
     def _cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """The node's cached bytes of each of ``indices`` (``views``: views, not copies) that is current, else
         None; counted as hits, and as stale if cached but not current."""

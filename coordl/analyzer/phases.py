@@ -16,8 +16,9 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   :data:`STORAGE_REST_S` from S's reads, cold reads in bursts of a batch's misses at the configured cache,
   ``L_burst``, each burst's read back to back as a worker fetches its batch's misses before preparing
   it, the bursts paced at half of ``S``; a read that follows another is faster than one after a pause), ``C``
-  (the items the cache took, through its hit path; with no cache, a copy of the bytes in memory, as the
-  paper approximates it; in passes for at least :data:`HIT_MIN_S` after a first), and ``P`` (the items
+  (the items the cache took, through its hit path a batch at a time, as the loader fetches them; with no
+  cache, a copy of the bytes in memory, as the paper approximates it; in passes for at least
+  :data:`HIT_MIN_S` after a first), and ``P`` (the items
   the cache took, or where it took too few the subset's bytes held in memory, decoded and transformed
   by the loader's workers with nothing else running, over at least 2 passes and 5 s after a first that
   starts the workers; and the CPU seconds per sample prep takes, ``prep_cpu_s``: the workers', or this process's). With
@@ -608,8 +609,10 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
             cache.put(index, data, stamp)
         row = dataset.counters.row()
         cached = [i for i in subset if cache.view(i) is not None]
-    if cached:  # the hit path, timed over the items the cache took
-        result["C"], result["C_from"] = _hit_rate(lambda i: dataset._cached(i, row), cached, cores), "cache"
+    if cached:  # the hit path, timed over the items the cache took, a batch at a time as the loader fetches them
+        batches = [cached[k:k + batch_size] for k in range(0, len(cached), batch_size)]
+        rate = _hit_rate(lambda batch: dataset._cached_many(batch, row, views=dali is not None), batches, cores)
+        result["C"], result["C_from"] = rate * len(cached) / len(batches), "cache"
     else:  # no cache, or it took nothing: a copy of the bytes in memory stands for a hit (CoorDL §5.1 (iv))
         result["C"], result["C_from"] = _hit_rate(bytes, datas, cores), "memory copy"
     result["cached_fraction"] = len(cached) / n
