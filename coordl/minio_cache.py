@@ -369,12 +369,9 @@ class MinIOCache:
     # -- the data path -----------------------------------------------------------------------
 
     def get(self, index: int) -> bytes | None:
-        """The cached bytes of item ``index``, or None on a miss. Takes no lock."""
-        views = self._ensure()
-        if views.status[index] != _READY:
-            return None
-        start = views.data_at + int(views.offsets[index])
-        return self._segment.buf[start:start + int(views.lengths[index])]
+        """The cached bytes of item ``index`` (a copy of :meth:`view`), or None on a miss. Takes no lock."""
+        view = self.view(index)
+        return None if view is None else bytes(view)
 
     def view(self, index: int) -> memoryview | None:
         """The cached bytes of item ``index`` without a copy (a read-only view into the cache's mapping),
