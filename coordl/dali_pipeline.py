@@ -182,7 +182,10 @@ class _Feeder:
     own reader does. It draws them once :data:`AHEAD_LEFT` or fewer of the epoch's batches are left to feed.
     Batches are fetched up to ``depth`` ahead on ``pool``, starting with :data:`FETCH_RAMP` and adding one more
     each batch taken until there are ``depth`` (a batch's hits are fetched in Python: the epoch's first,
-    fetched beside ``depth - 1`` others, would come after all of them).
+    fetched beside ``depth - 1`` others, would come after all of them). The fetches owed for the batches taken
+    start at :meth:`top_up`, once the batch DALI ran is handed over: started while the loop is still in DALI's
+    ``run()``, a fetch thread's Python competes with the loop's for the interpreter just when the loop waits for
+    its batch. Only where nothing is left fetching for DALI's next call do they start at once.
 
     Batches fed from the plan ahead are the next epoch's: their counts are held until that epoch takes them
     over (:meth:`take_over`: its plan starts with them, and their targets are still what was fetched), or,
@@ -207,6 +210,7 @@ class _Feeder:
         self._spoiled = False  # a batch of them failed to fetch
         self._pending: collections.deque = collections.deque()
         self._next = self._fed = 0  # batches submitted and fed: this plan's, then the ones ahead
+        self._owed = 0  # fetches to start at the next top_up
         self._submit(FETCH_RAMP)
 
     @property
@@ -259,9 +263,17 @@ class _Feeder:
             self._held += row
         else:
             self._counters += row
-        self._submit(2)  # in place of the batch taken, and one more until there are depth
+        self._owed += 2  # in place of the batch taken, and one more until there are depth
+        if not self._pending:
+            self.top_up()
         self.in_flight.append((indices, fed))
         return fed
+
+    def top_up(self) -> None:
+        """Start the fetches owed for the batches taken since the last call."""
+        owed, self._owed = self._owed, 0
+        if owed:
+            self._submit(owed)
 
     def take_over(self, batches: list[list[int]], plan_ahead) -> bool:
         """At the next epoch's start, with this epoch's batches all out of DALI: if its plan ``batches`` starts
@@ -453,6 +465,7 @@ class DaliBackend:
             for _ in range(feeder.replan(batches, plan_ahead if self._misses < AHEAD_MISSES else None)):
                 self._pipe.run()
                 feeder.in_flight.popleft()
+                feeder.top_up()
             return True
         except Exception:  # failed in DALI (a batch fed ahead, or this plan's, which fails again in its epoch)
             self.discard()
@@ -599,8 +612,10 @@ class DaliEpoch:
                 raise
             raise explained from e
         batch = tuple(_to_torch(out, backend.pin_memory, backend.wraps_output(k)) for k, out in enumerate(outputs))
-        if backend._feeder is not None and backend._feeder.in_flight:
-            backend._feeder.in_flight.popleft()  # only now: an output may be the fed arrays themselves
+        if backend._feeder is not None:
+            if backend._feeder.in_flight:
+                backend._feeder.in_flight.popleft()  # only now: an output may be the fed arrays themselves
+            backend._feeder.top_up()  # the next fetches, now that the loop has its batch
         self._yielded += 1
         if self._yielded == self._n and backend._feeder is not None and backend._feeder.goes_on:
             backend.finished = True  # DALI runs on into the plan drawn ahead

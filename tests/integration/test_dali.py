@@ -195,6 +195,45 @@ def test_the_training_loops_thread_feeds_a_batch_without_checking_its_samples_on
     assert set(shapes_read) == {threading.main_thread().name}
 
 
+def test_the_next_fetches_start_once_the_loop_has_its_batch(image_root, monkeypatch):
+    """A fetch started while the loop is in DALI's ``run()`` competes with it for the interpreter just when the
+    loop waits for its batch: the fetches owed for the batches taken start once the batch is handed over, and in
+    ``run()`` only where DALI's next call would find none fetching (at each epoch's start, as DALI fills its
+    queue from the two fetched first)."""
+    from nvidia.dali.pipeline import Pipeline
+    from coordl.dali_pipeline import DaliBackend
+    runs, started = [0], collections.Counter()  # run() calls begun; fetches started, by run() call or "after"
+    in_run = threading.Event()
+    run, fetch_pool = Pipeline.run, DaliBackend._fetch_pool
+
+    def running(self, *args, **kwargs):
+        runs[0] += 1
+        in_run.set()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            in_run.clear()
+
+    class Recorded:
+        def __init__(self, pool):
+            self.pool = pool
+
+        def submit(self, *args):
+            started[runs[0] if in_run.is_set() else "after"] += 1
+            return self.pool.submit(*args)
+
+    monkeypatch.setattr(Pipeline, "run", running)
+    monkeypatch.setattr(DaliBackend, "_fetch_pool", lambda self: Recorded(fetch_pool(self)))
+    dataset = _indexed(image_root)
+    whole = 2 * sum(os.path.getsize(f) for f in dataset.files)
+    with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=4, backend="dali", cache_bytes=whole,
+                           cache_name=f"dali-top-up-{os.getpid()}") as loader:
+        labels = [torch.cat([batch[1] for batch in loader]).sort().values.tolist() for _ in range(3)]
+    assert labels == [list(range(N_IMAGES))] * 3
+    assert sum(started.values()) == 3 * N_IMAGES // 8 + AHEAD_BATCHES  # and those fetched from the plan drawn ahead
+    assert set(started) <= {1, "after"}  # in run() only in the first (later epochs start on the batches fed ahead)
+
+
 def test_an_abandoned_epoch_does_not_leak_into_the_next(image_root):
     dataset = _indexed(image_root)
     with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, backend="dali",

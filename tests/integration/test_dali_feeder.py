@@ -1,6 +1,6 @@
 """The DALI feed's fetching ahead (``_Feeder``, which wraps samples in DALI's tensor type), on a pool that
 runs each fetch only when its batch is asked for: an epoch starts with a few batches in flight and adds one
-more per batch taken, up to its depth, every batch in plan order; where the next plan can be drawn ahead,
+more per batch taken, up to its depth, every batch in plan order, started once the batch is handed over; where the next plan can be drawn ahead,
 it goes on into that plan, whose counts are the next epoch's, taken over or dropped when that epoch starts."""
 
 import array
@@ -67,12 +67,14 @@ def _labels(fed) -> list[int]:
 
 
 def _feed(feeder, k: int) -> list[list[int]]:
-    """Feed ``k`` batches, each taken out of DALI (off ``in_flight``) one batch behind, as DALI's queue does."""
+    """Feed ``k`` batches, each taken out of DALI (off ``in_flight``) one batch behind, as DALI's queue does, and
+    handed over (the fetches owed started)."""
     fed = []
     for _ in range(k):
         fed.append(_labels(feeder()))
         if len(feeder.in_flight) > 1:
             feeder.in_flight.popleft()
+        feeder.top_up()
     return fed
 
 
@@ -88,12 +90,18 @@ def test_an_epoch_starts_with_a_few_batches_in_flight_and_ramps_up_to_its_depth(
     assert pool.submitted == batches[:min(FETCH_RAMP, depth)]
     fed = []
     while True:
+        submitted = len(pool.submitted)
         try:
             encoded, labels = feeder()
         except StopIteration:
             break
+        if submitted - len(fed) > 1:  # a fetch left for DALI's next call: none started before the hand-over
+            assert len(pool.submitted) == submitted
+        else:  # none left: the next started at once
+            assert len(pool.submitted) == submitted + (len(fed) + 1 < len(batches))
         fed.append(labels.tolist())
         assert [bytes(np.array(t)) for t in encoded] == [bytes([i]) * 3 for i in fed[-1]]
+        feeder.top_up()
         in_flight = len(pool.submitted) - len(fed)
         assert in_flight <= depth and in_flight == min(FETCH_RAMP + len(fed), depth, len(batches) - len(fed))
     assert fed == batches and pool.submitted == batches  # each batch fetched once, in plan order
