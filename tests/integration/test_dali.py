@@ -171,6 +171,15 @@ def test_hits_fed_from_the_cache_in_place_decode_as_the_files_do(image_root):
         assert torch.equal(a_labels, b_labels) and torch.equal(a, b)
 
 
+def _cached_epochs_labels(image_root, name: str, epochs: int, **options) -> list[list[int]]:
+    """Each of ``epochs`` epochs' labels, sorted, from a DALI loader over a cache of the whole dataset."""
+    dataset = _indexed(image_root)
+    whole = 2 * sum(os.path.getsize(f) for f in dataset.files)
+    with coordl.DataLoader(dataset, shuffle=True, backend="dali", cache_bytes=whole,
+                           cache_name=f"{name}-{os.getpid()}", **options) as loader:
+        return [torch.cat([batch[1] for batch in loader]).sort().values.tolist() for _ in range(epochs)]
+
+
 def test_the_training_loops_thread_feeds_a_batch_without_checking_its_samples_one_by_one(image_root, monkeypatch):
     """DALI's ``external_source`` runs on the thread that runs the pipeline, the training loop's; handed a list
     it checks and converts each sample there, handed a tensor list it takes it as it is. The fetch threads
@@ -184,11 +193,7 @@ def test_the_training_loops_thread_feeds_a_batch_without_checking_its_samples_on
         return get_shape(data)
 
     monkeypatch.setattr(external_source, "_get_shape", counted)
-    dataset = _indexed(image_root)
-    whole = 2 * sum(os.path.getsize(f) for f in dataset.files)
-    with coordl.DataLoader(dataset, batch_size=16, shuffle=True, num_workers=2, backend="dali", cache_bytes=whole,
-                           cache_name=f"dali-one-list-{os.getpid()}") as loader:
-        labels = [torch.cat([batch[1] for batch in loader]).sort().values.tolist() for _ in range(2)]
+    labels = _cached_epochs_labels(image_root, "dali-one-list", 2, batch_size=16, num_workers=2)
     assert labels == [list(range(N_IMAGES))] * 2
     batches = 2 * N_IMAGES // 16 + AHEAD_BATCHES  # and those fed from the plan drawn ahead
     assert 0 < sum(shapes_read.values()) <= batches  # the label column's shape, once a batch
@@ -224,11 +229,7 @@ def test_the_next_fetches_start_once_the_loop_has_its_batch(image_root, monkeypa
 
     monkeypatch.setattr(Pipeline, "run", running)
     monkeypatch.setattr(DaliBackend, "_fetch_pool", lambda self: Recorded(fetch_pool(self)))
-    dataset = _indexed(image_root)
-    whole = 2 * sum(os.path.getsize(f) for f in dataset.files)
-    with coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=4, backend="dali", cache_bytes=whole,
-                           cache_name=f"dali-top-up-{os.getpid()}") as loader:
-        labels = [torch.cat([batch[1] for batch in loader]).sort().values.tolist() for _ in range(3)]
+    labels = _cached_epochs_labels(image_root, "dali-top-up", 3, batch_size=8, num_workers=4)
     assert labels == [list(range(N_IMAGES))] * 3
     assert sum(started.values()) == 3 * N_IMAGES // 8 + AHEAD_BATCHES  # and those fetched from the plan drawn ahead
     assert set(started) <= {1, "after"}  # in run() only in the first (later epochs start on the batches fed ahead)

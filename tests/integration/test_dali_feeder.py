@@ -1,7 +1,8 @@
 """The DALI feed's fetching ahead (``_Feeder``, which wraps samples in DALI's tensor type), on a pool that
 runs each fetch only when its batch is asked for: an epoch starts with a few batches in flight and adds one
-more per batch taken, up to its depth, every batch in plan order, started once the batch is handed over; where the next plan can be drawn ahead,
-it goes on into that plan, whose counts are the next epoch's, taken over or dropped when that epoch starts."""
+more per batch taken (once that batch is handed over), up to its depth, every batch in plan order; where the
+next plan can be drawn ahead, it goes on into that plan, whose counts are the next epoch's, taken over or
+dropped when that epoch starts."""
 
 import array
 import concurrent.futures
