@@ -183,7 +183,7 @@ class _Feeder:
     Batches are fetched up to ``depth`` ahead on ``pool``, starting with :data:`FETCH_RAMP` and adding one more
     each batch taken until there are ``depth`` (a batch's hits are fetched in Python: the epoch's first,
     fetched beside ``depth - 1`` others, would come after all of them). The fetches owed for the batches taken
-    start at :meth:`top_up`, once the batch DALI ran is handed over: started while the loop is still in DALI's
+    start at :meth:`handed_over`, once the batch DALI ran is handed over: started while the loop is still in DALI's
     ``run()``, a fetch thread's Python competes with the loop's for the interpreter just when the loop waits for
     its batch. Only where nothing is left fetching for DALI's next call do they start at once.
 
@@ -274,6 +274,13 @@ class _Feeder:
         owed, self._owed = self._owed, 0
         if owed:
             self._submit(owed)
+
+    def handed_over(self) -> None:
+        """A batch's outputs are out of DALI and handed over: let go of its fed samples (until now an output
+        may be them) and start the fetches owed."""
+        if self.in_flight:
+            self.in_flight.popleft()
+        self.top_up()
 
     def take_over(self, batches: list[list[int]], plan_ahead) -> bool:
         """At the next epoch's start, with this epoch's batches all out of DALI: if its plan ``batches`` starts
@@ -464,8 +471,7 @@ class DaliBackend:
                     "generator=torch.Generator() to this loader to keep its order apart from it.", AHEAD_MISSES)
             for _ in range(feeder.replan(batches, plan_ahead if self._misses < AHEAD_MISSES else None)):
                 self._pipe.run()
-                feeder.in_flight.popleft()
-                feeder.top_up()
+                feeder.handed_over()
             return True
         except Exception:  # failed in DALI (a batch fed ahead, or this plan's, which fails again in its epoch)
             self.discard()
@@ -613,9 +619,7 @@ class DaliEpoch:
             raise explained from e
         batch = tuple(_to_torch(out, backend.pin_memory, backend.wraps_output(k)) for k, out in enumerate(outputs))
         if backend._feeder is not None:
-            if backend._feeder.in_flight:
-                backend._feeder.in_flight.popleft()  # only now: an output may be the fed arrays themselves
-            backend._feeder.top_up()  # the next fetches, now that the loop has its batch
+            backend._feeder.handed_over()
         self._yielded += 1
         if self._yielded == self._n and backend._feeder is not None and backend._feeder.goes_on:
             backend.finished = True  # DALI runs on into the plan drawn ahead
