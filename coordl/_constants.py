@@ -20,6 +20,10 @@ AUTO_CACHE_SHM_KEEP_FRACTION = 0.1
 """...and, growing, leaves this share of the shm file system free (for other jobs and torch's in-flight
 batches) besides the measured in-flight batches, and never takes more than the dataset."""
 
+ANALYZE_TIME_SCALE_ENV = "COORDL_ANALYZE_TIME_SCALE"
+"""Environment variable that scales ``coordl analyze``'s least measuring times and rests (default 1; the tests
+lower it, which shortens each phase at some cost in the rates' precision)."""
+
 LOG_LEVEL_ENV = "COORDL_LOG_LEVEL"
 """Environment variable that turns on coordl's log output, e.g. ``COORDL_LOG_LEVEL=INFO``."""
 

@@ -4,8 +4,6 @@ import os
 import threading
 import time
 
-import torch.utils.data
-
 _ORPHAN_POLL_S = 0.5
 _watching = None
 
@@ -37,5 +35,7 @@ def exit_when_orphaned(cleanup) -> None:
 def own_row(rows: int) -> int:
     """The row of a per-process counter table of ``rows`` rows this process writes: 0 in the training
     process (or with a single row), 1 + i in DataLoader worker i."""
-    info = torch.utils.data.get_worker_info()
+    from torch.utils.data import get_worker_info  # here: the peer server's process needs none of torch
+
+    info = get_worker_info()
     return 0 if info is None or rows == 1 else 1 + info.id % (rows - 1)

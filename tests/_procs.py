@@ -15,11 +15,65 @@ JOIN_TIMEOUT = 60
 """Seconds a test process may run. Generous: CI machines are small and shared."""
 
 
+PRELOADED = ["torch", "torchvision", "coordl.loader", "coordl.dali_pipeline"]
+"""What the jobs' forkserver imports once, so that a job starts without paying for it (seconds of CPU each)."""
+
+
 def spawn(target, *args) -> mp.Process:
-    """Start ``target(*args)`` in a fresh interpreter (spawn), as an independent job would be."""
-    proc = mp.get_context("spawn").Process(target=target, args=args)
+    """Start ``target(*args)`` as an independent job: a process of its own forked from a forkserver that has
+    imported :data:`PRELOADED` and nothing else (no state of the test's), with the test's environment, working
+    directory and stack dumps on SIGUSR2 (the conftest's guards find it by :func:`forkserver_descendants`)."""
+    start_forkserver()
+    proc = mp.get_context("forkserver").Process(target=_as_job, args=(dict(os.environ), os.getcwd(), target, args))
     proc.start()
     return proc
+
+
+def start_forkserver() -> None:
+    """Start the jobs' forkserver unless it runs; it imports :data:`PRELOADED` in the background (the conftest
+    starts it with the session, so that no test waits for that)."""
+    mp.get_context("forkserver").set_forkserver_preload(PRELOADED)
+    from multiprocessing import forkserver
+    forkserver.ensure_running()
+
+
+def _as_job(environ: dict, cwd: str, target, args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+    target(*args)
+
+
+def forkserver_descendants() -> list[int]:
+    """The processes the jobs' forkserver has started (and theirs), which carry the environment it was started
+    with, not their test's."""
+    from multiprocessing import forkserver
+    server = forkserver._forkserver._forkserver_pid
+    return [] if server is None else descendants(server)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, from /proc."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                parents[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [], {pid}
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = set(children)
+    return found
+
+
+def write_environment(path: str) -> None:
+    """A job that writes the shm directory it was given (``COORDL_SHM_DIR``) to ``path``."""
+    with open(path, "w") as f:
+        f.write(os.environ["COORDL_SHM_DIR"])
 
 
 def join_ok(*procs: mp.Process, timeout: float = JOIN_TIMEOUT) -> None:

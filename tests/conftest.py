@@ -1,5 +1,6 @@
 """Shared fixtures: small real JPEG datasets, and guards that give every test its own shared-memory
-namespace and fail any test that leaks shared memory or processes."""
+namespace and fail any test that leaks shared memory or processes; the test tiers (``tests/README.md``)
+and the default tier's time limit."""
 
 import faulthandler
 import glob
@@ -13,16 +14,75 @@ import time
 
 import pytest
 
-from coordl._constants import SHM_DIR_ENV
+from coordl._constants import ANALYZE_TIME_SCALE_ENV, SHM_DIR_ENV
 from coordl.synthetic import make_image_folder
+from tests._procs import descendants, forkserver_descendants, start_forkserver
+
+pytest_plugins = ["pytester"]
 
 LEAK_GRACE_S = 10
+DEFAULT_TIER_LIMIT_S = 10.0
+"""The most a default-tier test's setup or call may take (``--tier-limit``): a slower one fails, so the tier
+(README's ``pytest``) stays within its 5 minutes on a 2-core machine. Mark it ``slow`` (the full tier) or make
+it faster."""
+FULL_TIER = "slow"
+"""The marker of the full tier's tests: ``pytest`` leaves them out, ``pytest --all`` and ``pytest -m slow``
+run them (CI runs both tiers)."""
 DUMP_BEFORE_TIMEOUT_S = 20
 """This long before a test's timeout, every process it started that catches SIGUSR2 (forked ones: the
 handler below is inherited) is sent it and writes its threads' stacks to its stderr: a hang names the
 process it is in, workers included."""
 
 faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+os.environ.setdefault(ANALYZE_TIME_SCALE_ENV, "0.2")  # the analyzer's least measuring times, for every test's jobs
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", help="run every tier (the default tier and the slow tests)")
+    parser.addoption("--tier-limit", type=float, default=DEFAULT_TIER_LIMIT_S, metavar="SECONDS",
+                     help="fail a default-tier test whose setup or call takes longer (0: no limit)")
+
+
+def pytest_sessionstart(session):
+    start_forkserver()
+
+
+def _default_tier(config) -> bool:
+    """Whether this run is the default tier: no ``--all``, no ``-m`` of its own, and not only tests named by
+    their ids (``pytest tests/x.py::test_y`` runs that test whatever its tier)."""
+    named = config.args and all("::" in arg for arg in config.args)
+    return not config.getoption("--all") and not config.getoption("markexpr") and not named
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _default_tier(config):
+        return
+    full = [item for item in items if item.get_closest_marker(FULL_TIER)]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker(FULL_TIER)]
+
+
+def pytest_report_header(config):
+    if _default_tier(config):
+        return f"default tier: the {FULL_TIER!r} tests are left out (--all runs them); a test's setup or call may " \
+               f"take {config.getoption('--tier-limit'):g} s (--tier-limit)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    limit = item.config.getoption("--tier-limit")
+    budget = item.get_closest_marker("budget")
+    if limit and budget:
+        limit = max(limit, budget.args[0])
+    if limit and _default_tier(item.config) and report.when in ("setup", "call") and report.passed \
+            and report.duration > limit:
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid}: its {report.when} took {report.duration:.1f} s, over the default " \
+                          f"tier's {limit:g} s: make it faster, or mark it @pytest.mark.{FULL_TIER} (the full tier)" + \
+            ("" if budget else " (a subsystem's one end-to-end run may have a budget: @pytest.mark.budget(SECONDS))")
+    return report
 
 
 _SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
@@ -58,19 +118,14 @@ def _status(pid: int) -> dict[str, str]:
         return {}
 
 
-def _descendants() -> list[int]:
-    """This process's descendants (forked ones carry no trace of the test's environment in /proc)."""
-    parents = {int(p.split("/")[2]): _status(int(p.split("/")[2])).get("PPid") for p in glob.glob("/proc/[0-9]*")}
-    found, frontier = [], {str(os.getpid())}
-    while frontier:
-        children = [pid for pid, ppid in parents.items() if ppid in frontier]
-        found += children
-        frontier = {str(pid) for pid in children}
-    return found
+def _started_by_test(marker: bytes) -> list[int]:
+    """The processes a test started that may still run: those with its environment, and the jobs it forked
+    from the jobs' forkserver (``_procs.spawn``: their environment is the server's)."""
+    return sorted({*_processes_with_env(marker), *forkserver_descendants()})
 
 
 def _dump_stacks(marker: bytes) -> None:
-    for pid in {os.getpid(), *_descendants(), *_processes_with_env(marker)}:
+    for pid in {os.getpid(), *descendants(os.getpid()), *_processes_with_env(marker)}:
         if int(_status(pid).get("SigCgt", "0"), 16) >> (signal.SIGUSR2 - 1) & 1:
             try:
                 os.kill(pid, signal.SIGUSR2)
@@ -111,8 +166,8 @@ def shm_namespace(monkeypatch, request):
     yield path
     if dump:
         dump.cancel()
-    gone = _wait_until(lambda: not _processes_with_env(marker), LEAK_GRACE_S)
-    left = _processes_with_env(marker)
+    gone = _wait_until(lambda: not _started_by_test(marker), LEAK_GRACE_S)
+    left = _started_by_test(marker)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -76,6 +76,7 @@ import time
 
 import torch
 
+from coordl._constants import ANALYZE_TIME_SCALE_ENV
 from coordl._sysinfo import cpu_seconds
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.partitioned import EXCHANGE_ENV
@@ -126,6 +127,19 @@ class BuiltWith:
     @classmethod
     def of(cls, loader) -> "BuiltWith":
         return cls(**{f.name: getattr(loader, f.name) for f in dataclasses.fields(cls)})
+
+
+def least_s(seconds: float) -> float:
+    """``seconds``, one of the least measuring times or rests here, scaled by ``COORDL_ANALYZE_TIME_SCALE``."""
+    given = os.environ.get(ANALYZE_TIME_SCALE_ENV, "1")
+    try:
+        scale = float(given)
+    except ValueError:
+        scale = math.nan
+    if not 0 < scale < math.inf:
+        raise ValueError(f"{ANALYZE_TIME_SCALE_ENV} should be a positive number (1 measures for the full times), "
+                         f"but got {given!r}")
+    return seconds * scale
 
 
 def current() -> str | None:
@@ -304,7 +318,8 @@ class _Window:
         the ranks step together, for as many as the rank that needs most (every rank asks at the same batch).
         Should the script end first, the batches it had are written at exit."""
         elapsed = time.perf_counter() - self.started
-        more = _most_of_ranks(math.ceil(self.iters * (PREP_MIN_S / elapsed - 1)) if elapsed < PREP_MIN_S else 0)
+        least = least_s(PREP_MIN_S)
+        more = _most_of_ranks(math.ceil(self.iters * (least / elapsed - 1)) if elapsed < least else 0)
         if more:
             self.iters += more
             if not self.extended:
@@ -578,8 +593,9 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
     stamped = hasattr(storage, "read_stamped")
     read = storage.read_stamped if stamped else storage.read
     device_before, storage_s, passes = _device_read_bytes(), 0.0, 0
+    least = least_s(STORAGE_MIN_S)
     with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-        while passes == 0 or storage_s < STORAGE_MIN_S:  # a throttle lets a short burst through
+        while passes == 0 or storage_s < least:  # a throttle lets a short burst through
             for key in keys:
                 _evict(key)
             started = time.perf_counter()
@@ -637,8 +653,8 @@ def _hit_rate(hit, items: list, cores: int) -> float:
     :data:`HIT_MIN_S` (one pass takes milliseconds: a single stall of the process would set it)."""
     with concurrent.futures.ThreadPoolExecutor(cores) as pool:
         list(pool.map(hit, items))
-        started, passes = time.perf_counter(), 0
-        while passes == 0 or time.perf_counter() - started < HIT_MIN_S:
+        started, passes, least = time.perf_counter(), 0, least_s(HIT_MIN_S)
+        while passes == 0 or time.perf_counter() - started < least:
             list(pool.map(hit, items))
             passes += 1
         return passes * len(items) / (time.perf_counter() - started)
@@ -724,8 +740,8 @@ def _passes_per_s(one_pass, cpu_s) -> tuple[float, float]:
     """Passes per second of ``one_pass()``, over the passes after a first (which starts the workers or the
     pipeline): at least 2, and :data:`PREP_MIN_S`; and the CPU seconds (``cpu_s()``: so far) per pass."""
     one_pass()
-    started, cpu_started, passes = time.perf_counter(), cpu_s(), 0
-    while passes < 2 or time.perf_counter() - started < PREP_MIN_S:
+    started, cpu_started, passes, least = time.perf_counter(), cpu_s(), 0, least_s(PREP_MIN_S)
+    while passes < 2 or time.perf_counter() - started < least:
         one_pass()
         passes += 1
     return passes / (time.perf_counter() - started), (cpu_s() - cpu_started) / passes
@@ -744,7 +760,7 @@ def _miss_wait(read, keys: list, size: int, storage_rate: float, burst: int) -> 
     storage is never saturated; and the fraction of those bytes a block device served."""
     for key in keys:
         _evict(key)
-    time.sleep(STORAGE_REST_S)
+    time.sleep(least_s(STORAGE_REST_S))
     before, waits = _device_read_bytes(), []
     for first in range(0, len(keys), burst):
         started = time.perf_counter()

@@ -5,7 +5,11 @@ stand-in step, what each loader leaves of the step's rate."""
 import json
 import os
 
+import pytest
+
 from tests.benchmarks._bench import run_module
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_tiny_run_repeats_the_chosen_systems_interleaved(tmp_path, shm_namespace):

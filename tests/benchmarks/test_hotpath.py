@@ -4,7 +4,11 @@ the fetch cost measured, and nothing left behind."""
 import json
 import os
 
+import pytest
+
 from tests.benchmarks._bench import run_module
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_tiny_hot_path_run_measures_both_loaders_at_every_point(tmp_path, shm_namespace):

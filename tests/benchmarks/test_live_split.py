@@ -48,6 +48,7 @@ def test_a_build_whose_off_loader_timed_anything_fails_the_switch_check():
     assert "the switch did not hold" in live_split.markdown(points)
 
 
+@pytest.mark.slow
 def test_a_tiny_run_measures_on_off_and_on2_side_by_side(tmp_path, shm_namespace):
     out = tmp_path / "out"
     done = run_module("benchmarks.live_split", ["--images", "96", "--mean-side-px", "40", "--workers", "0", "1",

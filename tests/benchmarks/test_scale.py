@@ -22,6 +22,7 @@ def test_the_projection_is_bound_by_the_slower_of_prep_and_storage():
     assert cached["storage_s"] == 0 and cached["bound"] == "prep"
 
 
+@pytest.mark.slow
 def test_a_tiny_run_times_every_size_and_system_and_leaves_its_files_only_where_asked(tmp_path, shm_namespace):
     out, work = tmp_path / "out", tmp_path / "work"
     work.mkdir()

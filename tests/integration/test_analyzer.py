@@ -13,6 +13,7 @@ import torchvision
 from torchvision import transforms
 
 import coordl
+from coordl._constants import ANALYZE_TIME_SCALE_ENV
 from coordl.analyzer import phases, runner
 from coordl.partitioned import TIMEOUT_ENV
 from tests.cluster import make_cluster  # noqa: F401  (a fixture)
@@ -27,7 +28,12 @@ def _analyze(out, root, *job_args, iters=20, warmup=3):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
+@pytest.mark.parametrize("scale", [pytest.param("0.2", marks=pytest.mark.budget(60)),
+                                   pytest.param("1", marks=pytest.mark.slow)], ids=["scaled", "full-times"])
+def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path, monkeypatch, scale):
+    """The analyzer's one end-to-end run in the default tier, with its least measuring times scaled as the other
+    tests' are; in the full tier, also with them as users get them."""
+    monkeypatch.setenv(ANALYZE_TIME_SCALE_ENV, scale)
     step_s = 0.02  # the training step: G is at most BATCH / step_s
     proc = _analyze(tmp_path, image_root, "--step-s", str(step_s))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,7 +45,7 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert doc["dataset"]["bytes"] == pytest.approx(sum(os.path.getsize(os.path.join(d, f))
                                                         for d, _, fs in os.walk(image_root) for f in fs))
     q = doc["phases"]["rates"]["Q"]  # the loop on batches its worker prepares from memory
-    assert 0 < q <= BATCH / step_s
+    assert 0 < q <= BATCH / step_s and doc["phases"]["rates"]["Q_s"] >= float(scale) * phases.PREP_MIN_S
     alone = min(rates["P"], doc["cpu_samples_per_s"], rates["G"])  # what W and G allow with nothing to fetch
     assert doc["contention"] == pytest.approx(min(1.0, q / alone))
     assert doc["predicted_samples_per_s"] == pytest.approx(min(
@@ -63,6 +69,7 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path):
     assert again.returncode == 0 and "with the changes:" in again.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rebuilt", ["torch", "accelerate"])
 def test_a_loader_a_framework_rebuilds_from_the_parts_is_measured(image_root, tmp_path, rebuilt):
     """The script iterates a torch DataLoader built from the coordl loader's parts (by hand, or Accelerate's
@@ -79,6 +86,7 @@ def test_a_loader_a_framework_rebuilds_from_the_parts_is_measured(image_root, tm
     assert not list(tmp_path.glob("*.claimed"))
 
 
+@pytest.mark.slow
 def test_the_rates_phase_goes_on_with_the_loop_taking_batches_its_workers_prepare(image_root, tmp_path):
     """Q: after P, the loop takes batches that a worker as the loader's prepares from the measured items. With
     prep (4 ms a sample, no core) far slower than the step (none), Q is prep's pace, not the loop's."""
@@ -93,6 +101,7 @@ def test_the_rates_phase_goes_on_with_the_loop_taking_batches_its_workers_prepar
     assert "Q: the loop on prepared batches" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_failing_script_is_reported_with_its_last_lines(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--fail-at", "2")
     assert proc.returncode == 1
@@ -101,6 +110,7 @@ def test_a_failing_script_is_reported_with_its_last_lines(image_root, tmp_path):
     assert not (tmp_path / "analysis.json").exists()
 
 
+@pytest.mark.slow
 def test_a_script_failing_in_a_later_phase_gets_what_the_earlier_ones_measured(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--fail-at", "5", "--only-in-phase", "run")
     assert proc.returncode == 1 and "failed in the run phase (exit status 1)" in proc.stderr
@@ -108,18 +118,21 @@ def test_a_script_failing_in_a_later_phase_gets_what_the_earlier_ones_measured(i
     assert "measured before that, rates: " in proc.stderr and "P=" in proc.stderr and "S=" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_script_without_a_coordl_loader_is_told_so(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--torch-loader", "--epochs", "1")
     assert proc.returncode == 1
     assert "without iterating a coordl.DataLoader" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_script_that_ends_too_soon_is_told_how_many_batches_a_phase_needs(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--epochs", "1", iters=20, warmup=3)  # 12 batches an epoch
     assert proc.returncode == 1
     assert "fewer than 24 batches" in proc.stderr and "--iters" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_script_leaving_its_epochs_early_keeps_one_batch_in_the_ingestion_phase(image_root, tmp_path):
     """Each epoch's loop stops after 4 batches (persistent workers): later passes of the measured loader
     replay the batch, starting nothing."""
@@ -128,6 +141,7 @@ def test_a_script_leaving_its_epochs_early_keeps_one_batch_in_the_ingestion_phas
     assert json.load(open(tmp_path / "analysis.json"))["rates"]["G"] <= BATCH / 0.02
 
 
+@pytest.mark.slow
 def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path):
     proc = _analyze(tmp_path, image_root, "--cache-bytes", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -139,6 +153,7 @@ def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path)
     assert doc["phases"]["rates"]["P_from"] == "memory" and doc["phases"]["rates"]["Q"] > 0  # from the bytes held
 
 
+@pytest.mark.slow
 def test_a_torchrun_job_is_measured_rank_by_rank(image_root, tmp_path):
     """Both ranks measure each phase at once, each over its own half of the subset; the job's rates are the
     slower rank's, and its throughput twice a rank's."""
@@ -215,6 +230,7 @@ def test_a_peer_that_does_not_deliver_ends_the_rates_phase_saying_so(make_cluste
         assert not (tmp_path / f"server{n}" / "analysis.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["auto", "0"])
 def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_path, cache):
     """P from a second DALI pipeline with the loader's settings (over cached items, or bytes held in memory
@@ -230,7 +246,7 @@ def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_
     assert rates["backend"] == "dali" and rates["workers"] == 2 and rates["fetch_threads"] == 2
     assert rates["P_from"] == ("cache" if cache == "auto" else "memory") and rates["P"] > 0
     assert doc["config"]["fetch_threads"] == 2 and doc["worker_samples_per_s"] == doc["rates"]["P"]
-    assert 0 < rates["Q"] <= BATCH / step_s and rates["Q_s"] >= phases.PREP_MIN_S
+    assert 0 < rates["Q"] <= BATCH / step_s and rates["Q_s"] >= phases.least_s(phases.PREP_MIN_S)
     alone = min(doc["worker_samples_per_s"], doc["rates"]["G"])  # W with nothing to fetch: P, or the CPU bound
     assert doc["contention"] == pytest.approx(min(1.0, rates["Q"] / alone))
     assert doc["predicted_samples_per_s"] == pytest.approx(min(doc["fetch_samples_per_s"], doc["contention"] * alone))
@@ -238,6 +254,7 @@ def test_a_dali_job_is_measured_with_its_own_pipeline_preparing(image_root, tmp_
     assert "DALI: 2 prep and 2 fetch threads" in proc.stdout and "threads (num_workers=)" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "dali"])
 def test_the_jobs_of_an_hp_group_are_measured_member_by_member(image_root, tmp_path, backend):
     """Both members of the group measure each phase at once, each over its own half of the subset: the group

@@ -57,6 +57,7 @@ def test_ls_and_rm(tmp_path):
         live.close()
 
 
+@pytest.mark.budget(30)  # the demo's one end-to-end run: a fresh interpreter that imports torchvision
 def test_demo_shows_coordl_reading_less_than_torch_with_the_same_memory(tmp_path):
     done = _coordl("demo", "--images", "40", "--epochs", "2", "--workers", "0", "--batch-size", "8",
                    "--read-mbps", "1000", "--dir", str(tmp_path))

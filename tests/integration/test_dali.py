@@ -624,6 +624,7 @@ def test_bad_backend_settings_are_refused(image_root):
         coordl.DataLoader(list(range(10)), backend="dali")
 
 
+@pytest.mark.slow
 def test_missing_dali_gives_the_install_command(image_root):
     script = f"""
 import sys, importlib.abc

@@ -90,6 +90,7 @@ def tag_worker(worker_id: int) -> None:
     tud.get_worker_info().dataset.worker_tag = 100 + worker_id
 
 
+@pytest.mark.slow
 def test_what_torch_users_read_from_a_loader_is_torchs(monkeypatch):
     monkeypatch.setattr(coordl.cache_setup, "_warned", set())
     dataset = Handles()

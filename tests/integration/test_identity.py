@@ -47,6 +47,7 @@ def described() -> list[str]:
     return [describe(obj, "transform") for obj in objects]
 
 
+@pytest.mark.slow
 def test_descriptions_hold_across_processes_and_hash_seeds():
     code = "import json; from tests.integration.test_identity import described; print(json.dumps(described()))"
     runs = []

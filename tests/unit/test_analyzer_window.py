@@ -7,7 +7,14 @@ import types
 import pytest
 import torch
 
+from coordl._constants import ANALYZE_TIME_SCALE_ENV
 from coordl.analyzer import phases
+
+
+@pytest.fixture(autouse=True)
+def full_least_times(monkeypatch):
+    """These windows are judged against the least times as they are (the suite's jobs run them scaled)."""
+    monkeypatch.setenv(ANALYZE_TIME_SCALE_ENV, "1")
 
 
 class _FakeGpu:
@@ -192,6 +199,24 @@ def test_q_whose_pace_picks_up_in_the_lengthened_window_is_lengthened_again(monk
     assert result["Q_s"] == phases.PREP_MIN_S
     assert result["Q_iters"] == 4 + 6 + 5 + 1  # reckoned after 4 batches in 2 s, 10 in 3.5 s, then 15 in 4.75 s
     assert registered == []  # written at its end, once
+
+
+def test_the_least_time_is_scaled_by_its_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv(ANALYZE_TIME_SCALE_ENV, "0.5")
+    window = _rates_window(monkeypatch, tmp_path, _Clock(), warmup=1, iters=4)
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            phases.time.now += 0.25
+    assert json.loads((tmp_path / "result.json").read_text())["Q_s"] == pytest.approx(0.5 * phases.PREP_MIN_S)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "fast"])
+def test_a_bad_time_scale_is_refused_naming_the_setting(monkeypatch, value):
+    monkeypatch.setenv(ANALYZE_TIME_SCALE_ENV, value)
+    with pytest.raises(ValueError, match=f"COORDL_ANALYZE_TIME_SCALE should be a positive number.*{value!r}"):
+        phases.least_s(phases.PREP_MIN_S)
 
 
 def test_q_long_enough_already_ends_at_its_iters(monkeypatch, tmp_path):

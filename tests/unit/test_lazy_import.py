@@ -1,0 +1,44 @@
+"""``import coordl`` loads no torch until a name needs it, so the commands and modules that need none start fast."""
+
+import subprocess
+import sys
+
+import pytest
+
+import coordl
+
+LIGHT = ["coordl", "coordl.cli", "coordl._shm", "coordl._peer_wire", "coordl.peer_server", "coordl.minio_cache",
+         "coordl.coord_prep", "coordl.storage"]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_package_the_cli_and_the_shm_cache_and_peer_modules_import_no_torch():
+    done = _run(f"import importlib, sys\nfor m in {LIGHT!r}: importlib.import_module(m)\n"
+                "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'nvidia')))")
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_cache_ls_runs_without_torch():
+    done = _run("import sys\nfrom coordl import cli\nstatus = cli.main(['cache', 'ls'])\n"
+                "print(status, 'torch' in sys.modules)")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "0 False", done.stderr
+
+
+def test_every_public_name_and_submodule_resolves_on_first_use():
+    done = _run("import coordl, sys\nassert 'torch' not in sys.modules\nloader = coordl.DataLoader\n"
+                "print(loader.__module__, 'torch' in sys.modules, coordl.coord_prep.__name__)")
+    assert done.returncode == 0 and done.stdout.split() == ["coordl.loader", "True", "coordl.coord_prep"], done.stderr
+    assert all(getattr(coordl, name).__name__ == name for name in coordl.__all__)
+    assert set(coordl.__all__) <= set(dir(coordl)) and coordl.__all__ == sorted(coordl.__all__)
+    namespace = {}
+    exec("from coordl import *", namespace)
+    assert {name for name in namespace if not name.startswith("__")} == set(coordl.__all__)
+
+
+def test_a_name_coordl_does_not_have_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="module 'coordl' has no attribute 'no_such_thing'"):
+        coordl.no_such_thing
+    assert not hasattr(coordl, "__wrapped__")
