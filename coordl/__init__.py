@@ -2,9 +2,19 @@
 
 The public names load on first use (PEP 562), so ``import coordl`` and the commands and modules that need
 no torch (``coordl cache ls``, the shared-memory and peer wire modules) do not import it.
+
+NOTE [ Lazy, but never later than torch ]
+``coordl.DataLoader`` is defined as soon as torch is imported, whichever comes first: frameworks find
+DataLoader subclasses once, when they start wrapping them (Lightning patches every subclass of torch's
+DataLoader that exists as it enters a hook such as ``train_dataloader``), and a class first defined inside
+that hook is missed there, which breaks their re-instantiation of it. So a process that imports torch
+defines coordl's loader right after torch (:class:`_WithTorch`), as the eager package did.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -49,3 +59,34 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *__all__])
+
+
+class _WithTorch(importlib.abc.MetaPathFinder):
+    """Imports ``coordl.loader`` once ``torch`` has been imported (NOTE [ Lazy, but never later than torch ])."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            exec_torch = spec.loader.exec_module
+
+            def exec_then_define(module):
+                exec_torch(module)
+                _define_loader()
+            spec.loader.exec_module = exec_then_define
+        return spec
+
+
+def _define_loader() -> None:
+    try:
+        importlib.import_module("coordl.loader")
+    except Exception:  # noqa: BLE001 (never a failed ``import torch``: coordl.DataLoader raises it when used)
+        pass
+
+
+if "torch" in sys.modules:
+    _define_loader()
+elif not any(isinstance(finder, _WithTorch) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _WithTorch())

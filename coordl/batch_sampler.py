@@ -286,7 +286,11 @@ class EpochPass:
     def __next__(self) -> list[int]:
         epochs = self.sampler.epochs
         if self._plan is None:
-            self._plan = iter(epochs.begin(self, self._draw()))
+            try:
+                plan = epochs.begin(self, self._draw())
+            except StopIteration as e:  # out of __next__, torch would take it for an epoch without batches
+                raise RuntimeError("coordl: starting the epoch raised StopIteration") from e
+            self._plan = iter(plan)
         try:
             batch = next(self._plan)
         except StopIteration:

@@ -179,6 +179,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 raise ValueError("hp_group cannot be combined with partitioned=True: an hp_group's jobs share one "
                                  "server's memory, and a partitioned job spans servers with a DistributedSampler, "
                                  "which an hp_group refuses. Leave partitioned='auto' (off in an hp_group).")
+        if not isinstance(locality_aware, bool):
+            raise ValueError(f"locality_aware should be True or False, but got locality_aware={locality_aware!r}")
         if cache_name is not None and (not isinstance(cache_name, str) or not cache_name):
             raise ValueError(f"cache_name should be a non-empty string or None, but got cache_name={cache_name!r}")
         if backend == "torch":

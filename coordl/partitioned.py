@@ -77,7 +77,9 @@ import collections
 import dataclasses
 import datetime
 import hashlib
+import ipaddress
 import logging
+import math
 import multiprocessing
 import multiprocessing.util
 import os
@@ -163,13 +165,33 @@ class Topology:
         """torchrun's (or torch.distributed's ``env://``) variables, None when they are not all set."""
         if any(name not in environ for name in _ENV):
             return None
-        world, local_world = int(environ["WORLD_SIZE"]), int(environ["LOCAL_WORLD_SIZE"])
-        rank, local_rank = int(environ["RANK"]), int(environ["LOCAL_RANK"])
-        nodes = int(environ.get("GROUP_WORLD_SIZE", max(1, world // max(local_world, 1))))
-        node = int(environ.get("GROUP_RANK", rank // max(local_world, 1)))
+        world = _whole(environ, "WORLD_SIZE", 1)
+        local_world = _whole(environ, "LOCAL_WORLD_SIZE", 1, world)
+        rank, local_rank = _whole(environ, "RANK", 0, world - 1), _whole(environ, "LOCAL_RANK", 0, local_world - 1)
+        nodes = _whole(environ, "GROUP_WORLD_SIZE", 1, world, default=max(1, world // local_world))
+        node = _whole(environ, "GROUP_RANK", 0, nodes - 1, default=rank // local_world)
+        if not node < nodes:
+            raise ValueError(f"RANK {rank} with LOCAL_WORLD_SIZE {local_world} makes server {node}, but "
+                             f"GROUP_WORLD_SIZE is {nodes}: set GROUP_RANK (torchrun does)")
         run = f"{environ.get('TORCHELASTIC_RUN_ID', 'none')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         return cls(rank, world, local_rank, local_world, node, nodes, environ["MASTER_ADDR"],
-                   int(environ["MASTER_PORT"]), run)
+                   _whole(environ, "MASTER_PORT", 1, 65535), run)
+
+
+def _whole(environ, name: str, low: int, high: int | None = None, default: int | None = None) -> int:
+    """The whole number in the environment variable ``name``, from ``low`` to ``high``, else a ``ValueError``
+    naming it; ``default`` where it is not set."""
+    given = environ.get(name)
+    if given is None and default is not None:
+        return default
+    try:
+        value = int(given)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise ValueError(f"{name} should be a whole number {bounds}, but got {given!r}")
+    return value
 
 
 def resolve(partitioned, cache_on: bool) -> Topology | None:
@@ -194,11 +216,10 @@ def resolve(partitioned, cache_on: bool) -> Topology | None:
     return topology
 
 
-def owners_of(maps: list[np.ndarray | None]) -> np.ndarray:
+def owners_of(maps: list[np.ndarray | None], n_items: int) -> np.ndarray:
     """``owner[i]``: the lowest node whose bool map holds item ``i``, -1 where none does (None: a node
-    whose map is unknown holds nothing)."""
-    n = next(len(m) for m in maps if m is not None)
-    owner = np.full(n, -1, dtype=np.int16)
+    whose map is unknown holds nothing; with none known, every item comes from storage)."""
+    owner = np.full(n_items, -1, dtype=np.int16)
     for node in range(len(maps) - 1, -1, -1):
         if maps[node] is not None:
             owner[maps[node]] = node
@@ -274,7 +295,16 @@ class PeerState:
 def _local_address(topology: Topology) -> str:
     """The address this server uses to reach the rendezvous store (a UDP connect sends nothing)."""
     if os.environ.get(HOST_ENV):
-        return os.environ[HOST_ENV]
+        host = os.environ[HOST_ENV]
+        try:
+            wildcard = ipaddress.ip_address(host).is_unspecified
+        except ValueError:  # a host name
+            wildcard = False
+        if wildcard:
+            raise ValueError(f"{HOST_ENV} should be an address the other servers can reach this one at, but got "
+                             f"{host!r}, which names none (unset it to use the one this server reaches MASTER_ADDR "
+                             f"from)")
+        return host
     family = socket.AF_INET6 if ":" in topology.master_addr else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
@@ -292,13 +322,13 @@ def _store(topology: Topology, prefix: str):
 
 
 def _seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment variable ``name``."""
+    """A positive, finite number of seconds from the environment variable ``name``."""
     try:
         value = float(os.environ.get(name, default))
     except ValueError:
         raise ValueError(f"{name} should be a number of seconds, but got {os.environ[name]!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} should be positive, but got {value}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} should be a positive, finite number of seconds, but got {os.environ[name]!r}")
     return value
 
 
@@ -408,7 +438,7 @@ class PeerTier:
                            "A loader that only some servers iterate (or whose dataset differs between servers: it "
                            "must be the same files in the same order) should be built with partitioned=False.", epoch,
                            ", ".join(map(str, missing)), self.exchange_s, EXCHANGE_ENV)
-        owner = owners_of(maps)
+        owner = owners_of(maps, self.n_items)
         self.state.owner[:] = owner
         self.state.full |= np.array(frozen, dtype=np.int32)
         final = not missing and (bool((owner >= 0).all()) or all(frozen))
@@ -809,7 +839,10 @@ class _ServerProcess:
 
 def _start_server(cache, source, storage, secret: bytes, topology: Topology, ordinal: int) -> _ServerProcess:
     host = _local_address(topology)
-    port = int(os.environ.get(PORT_ENV, 0) or 0)
+    port = _whole(os.environ, PORT_ENV, 0, 65535, default=0) if os.environ.get(PORT_ENV) else 0
+    if port and port + ordinal > 65535:
+        raise ValueError(f"{PORT_ENV}={port}: this process's partitioned loader {ordinal + 1} of the dataset would "
+                         f"serve at port {port + ordinal}, past 65535")
     server = _ServerProcess(cache, source, storage, secret, host, port + ordinal if port else 0)
     logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
                 topology.nodes, *server.address)

@@ -24,7 +24,8 @@ def spawn(target, *args) -> mp.Process:
     imported :data:`PRELOADED` and nothing else (no state of the test's), with the test's environment, working
     directory and stack dumps on SIGUSR2 (the conftest's guards find it by :func:`forkserver_descendants`)."""
     start_forkserver()
-    proc = mp.get_context("forkserver").Process(target=_as_job, args=(dict(os.environ), os.getcwd(), target, args))
+    proc = mp.get_context("forkserver").Process(target=_as_job, args=(dict(os.environ), os.getcwd(), mp.get_start_method(),
+                                                                      target, args))
     proc.start()
     return proc
 
@@ -37,10 +38,11 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def _as_job(environ: dict, cwd: str, target, args) -> None:
+def _as_job(environ: dict, cwd: str, start_method: str, target, args) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    mp.set_start_method(start_method, force=True)  # a forkserver's child starts its own children by forkserver
     faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
     target(*args)
 

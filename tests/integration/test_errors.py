@@ -58,6 +58,8 @@ def test_worker_death_is_reported_as_torch_reports_it(image_root):
     (dict(cache_verify="mtime"), ValueError, r"cache_verify should be one of \('stat', 'content'\), but got "
                                              r"cache_verify='mtime'"),
     (dict(cache_name=""), ValueError, "cache_name should be"),
+    (dict(locality_aware="yes"), ValueError, "locality_aware should be True or False, but got locality_aware='yes'"),
+    (dict(locality_aware=1), ValueError, "locality_aware should be True or False, but got locality_aware=1"),
     (dict(batch_size=0), ValueError, "batch_size"),  # torch's own checks still apply
 ])
 def test_bad_settings_are_refused(image_root, kwargs, error, match):

@@ -42,3 +42,11 @@ def test_a_name_coordl_does_not_have_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'coordl' has no attribute 'no_such_thing'"):
         coordl.no_such_thing
     assert not hasattr(coordl, "__wrapped__")
+
+
+@pytest.mark.parametrize("order", ["import coordl, torch", "import torch, coordl"])
+def test_coordls_loader_is_a_dataloader_subclass_as_soon_as_torch_is_imported(order):
+    """Frameworks look for torch's DataLoader subclasses when they start wrapping them (Lightning as it enters
+    ``train_dataloader``): coordl's must be there whichever of the two a script imports first."""
+    done = _run(f"{order}\nprint([c.__module__ for c in torch.utils.data.DataLoader.__subclasses__()])")
+    assert done.returncode == 0 and "'coordl.loader'" in done.stdout, done.stderr

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def test_the_topology_is_torchruns():
 @pytest.mark.parametrize("env, cache_on, expected", [
     (TORCHRUN, True, 4),
     (TORCHRUN, False, None),  # no cache, nothing to partition
-    ({**TORCHRUN, "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0"}, True, None),  # one server
+    ({**TORCHRUN, "GROUP_WORLD_SIZE": "1", "WORLD_SIZE": "2", "RANK": "1", "GROUP_RANK": "0"}, True, None),  # one server
     ({}, True, None),  # not a distributed job
 ])
 def test_auto_partitions_only_a_job_of_several_servers_with_a_cache(monkeypatch, env, cache_on, expected):
@@ -61,9 +62,58 @@ def test_insisting_without_torchrun_or_without_a_cache_fails_clearly(monkeypatch
             resolve(bad, True)
 
 
+@pytest.mark.parametrize("name, value, why", [
+    ("GROUP_RANK", "7", "GROUP_RANK should be a whole number from 0 to 3, but got '7'"),
+    ("RANK", "8", "RANK should be a whole number from 0 to 7"),
+    ("LOCAL_RANK", "-1", "LOCAL_RANK should be a whole number from 0 to 1"),
+    ("WORLD_SIZE", "x", "WORLD_SIZE should be a whole number of at least 1, but got 'x'"),
+    ("MASTER_PORT", "x", "MASTER_PORT should be a whole number from 1 to 65535, but got 'x'"),
+    ("MASTER_PORT", "70000", "MASTER_PORT should be a whole number from 1 to 65535"),
+])
+def test_a_torchrun_variable_out_of_range_is_named(name, value, why):
+    with pytest.raises(ValueError, match=why):
+        Topology.from_env({**TORCHRUN, name: value})
+
+
+def test_a_rank_past_the_servers_without_group_rank_is_named():
+    plain = {k: v for k, v in TORCHRUN.items() if k != "GROUP_RANK"}
+    with pytest.raises(ValueError, match="RANK 5 with LOCAL_WORLD_SIZE 2 makes server 2, but GROUP_WORLD_SIZE is 2: "
+                                         "set GROUP_RANK"):
+        Topology.from_env({**plain, "GROUP_WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("name", [partitioned.TIMEOUT_ENV, partitioned.EXCHANGE_ENV])
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "soon"])
+def test_a_peer_time_that_is_not_a_positive_finite_number_is_named(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} should be a .*number of seconds, but got {value!r}"):
+        partitioned._seconds(name, 1.0)
+
+
+@pytest.mark.parametrize("value, why", [("abc", "COORDL_PEER_PORT should be a whole number from 0 to 65535, but "
+                                                "got 'abc'"),
+                                        ("-1", "COORDL_PEER_PORT should be a whole number from 0 to 65535"),
+                                        ("65535", "partitioned loader 2 of the dataset would serve at port 65536")])
+def test_a_peer_port_that_cannot_be_served_at_is_named(monkeypatch, value, why):
+    monkeypatch.setenv(partitioned.PORT_ENV, value)
+    topology = Topology.from_env(TORCHRUN)
+    with pytest.raises(ValueError, match=why):
+        partitioned._start_server(None, None, None, b"", topology, ordinal=1)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_peer_host_that_names_no_address_is_refused(monkeypatch, host):
+    monkeypatch.setenv(partitioned.HOST_ENV, host)
+    with pytest.raises(ValueError, match=f"COORDL_PEER_HOST should be an address the other servers can reach .*{host!r}"):
+        partitioned._local_address(Topology.from_env(TORCHRUN))
+    monkeypatch.setenv(partitioned.HOST_ENV, "node7.cluster")
+    assert partitioned._local_address(Topology.from_env(TORCHRUN)) == "node7.cluster"
+
+
 def test_each_item_is_owned_by_the_lowest_server_holding_it():
     maps = [np.array([1, 0, 1, 0, 0], bool), None, np.array([1, 1, 0, 0, 1], bool), np.array([0, 1, 0, 0, 1], bool)]
-    assert owners_of(maps).tolist() == [0, 2, 0, -1, 2]
+    assert owners_of(maps, 5).tolist() == [0, 2, 0, -1, 2]
+    assert owners_of([None, None], 3).tolist() == [-1, -1, -1]  # no map in: every item from storage
 
 
 def test_owners_are_identical_on_every_rank_for_random_maps():
@@ -71,7 +121,7 @@ def test_owners_are_identical_on_every_rank_for_random_maps():
     for nodes in (2, 7, 64):
         maps = [rng.random(10_000) < 1.5 / nodes for _ in range(nodes)]
         blobs = [encode_map(m, frozen=bool(i % 2)) for i, m in enumerate(maps)]
-        seen = {owners_of([decode_map(b, 10_000)[0] for b in blobs]).tobytes() for _rank in range(3)}
+        seen = {owners_of([decode_map(b, 10_000)[0] for b in blobs], 10_000).tobytes() for _rank in range(3)}
         assert len(seen) == 1
         owner = np.frombuffer(seen.pop(), np.int16)
         for i in range(0, 10_000, 97):
@@ -260,3 +310,28 @@ def test_an_item_its_owner_does_not_deliver_is_read_from_storage_and_not_cached_
     finally:
         del os.environ[partitioned.SECRET_ENV]
         peer.close()
+
+
+class _PeersThatStopIterating:
+    """A peer tier whose epoch start raises StopIteration (as a map exchange that found no map once did)."""
+
+    topology = types.SimpleNamespace(nodes=2)
+
+    def begin_epoch(self, epoch):
+        raise StopIteration
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_start_that_raises_stopiteration_fails_and_never_ends_the_epoch_empty(image_root, num_workers):
+    """Out of the batch sampler's ``__next__``, a StopIteration is torch's end of the epoch: 0 batches, no error."""
+    import coordl
+    from coordl.raw_datasets import FileDataset
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(image_root) for f in fs)
+    with coordl.DataLoader(FileDataset(files, decode="bytes"), batch_size=8, num_workers=num_workers,
+                           collate_fn=list) as loader:
+        loader.dataset.peers = _PeersThatStopIterating()
+        with pytest.raises(RuntimeError, match="starting the epoch raised StopIteration"):
+            list(loader)
