@@ -82,7 +82,7 @@ class _WithTorch(importlib.abc.MetaPathFinder):
 def _define_loader() -> None:
     try:
         importlib.import_module("coordl.loader")
-    except Exception:  # noqa: BLE001 (never a failed ``import torch``: coordl.DataLoader raises it when used)
+    except Exception:  # never a failed ``import torch``: using coordl.DataLoader raises it
         pass
 
 

@@ -24,8 +24,8 @@ def spawn(target, *args) -> mp.Process:
     imported :data:`PRELOADED` and nothing else (no state of the test's), with the test's environment, working
     directory and stack dumps on SIGUSR2 (the conftest's guards find it by :func:`forkserver_descendants`)."""
     start_forkserver()
-    proc = mp.get_context("forkserver").Process(target=_as_job, args=(dict(os.environ), os.getcwd(), mp.get_start_method(),
-                                                                      target, args))
+    job = (dict(os.environ), os.getcwd(), mp.get_start_method(), target, args)
+    proc = mp.get_context("forkserver").Process(target=_as_job, args=job)
     proc.start()
     return proc
 
