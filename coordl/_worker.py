@@ -6,6 +6,7 @@ import time
 
 _ORPHAN_POLL_S = 0.5
 _watching = None
+_worker_info = None
 
 
 def exit_when_orphaned(cleanup) -> None:
@@ -35,7 +36,8 @@ def exit_when_orphaned(cleanup) -> None:
 def own_row(rows: int) -> int:
     """The row of a per-process counter table of ``rows`` rows this process writes: 0 in the training
     process (or with a single row), 1 + i in DataLoader worker i."""
-    from torch.utils.data import get_worker_info  # here: the peer server's process needs none of torch
-
-    info = get_worker_info()
+    global _worker_info
+    if _worker_info is None:  # imported here once: the peer server's process needs none of torch
+        from torch.utils.data import get_worker_info as _worker_info
+    info = _worker_info()
     return 0 if info is None or rows == 1 else 1 + info.id % (rows - 1)

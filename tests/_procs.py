@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 
+from coordl._sysinfo import descendants
+
 JOIN_TIMEOUT = 60
 """Seconds a test process may run. Generous: CI machines are small and shared."""
 
@@ -52,24 +54,7 @@ def forkserver_descendants() -> list[int]:
     with, not their test's."""
     from multiprocessing import forkserver
     server = forkserver._forkserver._forkserver_pid
-    return [] if server is None else descendants(server)
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s descendants, from /proc."""
-    parents = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                parents[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, frontier = [], {pid}
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = set(children)
-    return found
+    return [] if server is None else sorted(descendants(server))
 
 
 def write_environment(path: str) -> None:

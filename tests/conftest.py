@@ -16,7 +16,8 @@ import pytest
 
 from coordl._constants import ANALYZE_TIME_SCALE_ENV, SHM_DIR_ENV
 from coordl.synthetic import make_image_folder
-from tests._procs import descendants, forkserver_descendants, start_forkserver
+from coordl._sysinfo import descendants
+from tests._procs import forkserver_descendants, start_forkserver
 
 pytest_plugins = ["pytester"]
 
