@@ -325,7 +325,8 @@ def warm_up(cleanup: Cleanup, storage, args, work: str, servers: int) -> None:
     part of them and with one of all of them (and, with ``servers`` above 1, on that many servers,
     unbounded), so that the libraries and code it loads are in the page cache, charged to no measured group:
     the bounded runs then hold only their own pages. (A page first loaded in a measured group is squeezed
-    out with the group's page cache and loaded again, charged again, by each process after it.)"""
+    out with the group's page cache and loaded again, charged again, by each process after it.) A ``--quick``
+    run warms up with the part cache only: a cache that fills runs both the hits' code and the full cache's."""
     from coordl.synthetic import make_image_folder
     root = os.path.join(work, "warm-up")
     make_image_folder(root, 48, mean_side_px=args.mean_side_px, seed=args.seed + 1)
@@ -334,7 +335,8 @@ def warm_up(cleanup: Cleanup, storage, args, work: str, servers: int) -> None:
     config = {"read_mbps": max(FULL["mbps"]), "workers": 1, "cache_bytes": 2**20, "servers": servers}
     print("warming up (libraries into the page cache, outside the measured cgroups) ...", flush=True)
     warm = types.SimpleNamespace(root=root, device=storage.device)
-    for cache_bytes in (config["cache_bytes"], whole):  # a cache full before the end runs code of its own
+    caches = (config["cache_bytes"],) if args.quick else (config["cache_bytes"], whole)
+    for cache_bytes in caches:  # a cache full before the end runs code of its own
         analyze(cleanup, warm, {**config, "cache_bytes": cache_bytes}, small,
                 os.path.join(work, f"warm-up-analysis-{cache_bytes}"), bounded=False)
     if servers > 1:

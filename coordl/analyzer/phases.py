@@ -78,21 +78,14 @@ import torch
 
 from coordl._constants import ANALYZE_TIME_SCALE_ENV
 from coordl._sysinfo import cpu_seconds
+from coordl.analyzer.phase_env import CLAIMED, ITERS_ENV, PHASE_ENV, PHASES, RESULT_ENV, WARMUP_ENV  # noqa: F401
 from coordl.cached_dataset import CachedDataset, SampleCounters
 from coordl.partitioned import EXCHANGE_ENV
 
-PHASE_ENV = "COORDL_ANALYZE_PHASE"
-RESULT_ENV = "COORDL_ANALYZE_RESULT"
-ITERS_ENV = "COORDL_ANALYZE_ITERS"
-WARMUP_ENV = "COORDL_ANALYZE_WARMUP"
-PHASES = ("ingestion", "rates", "run")
 PREP_MIN_BATCHES = 4
 """Batches' worth of cached samples P is measured over through the cache; with fewer, from memory."""
 PREP_MIN_S = 5.0
 """The least time P and Q are measured over."""
-CLAIMED = ".claimed"
-"""Suffix of the file a phase writes beside its result once a loader is iterated (the runner tells "no
-coordl loader" from "too few batches" by it)."""
 LATENCY_READS = 128
 """Cold reads ``L`` is the mean of (at most; the subset's first, in whole bursts)."""
 STORAGE_MIN_S = 3.0

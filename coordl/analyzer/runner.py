@@ -19,7 +19,7 @@ import time
 
 from coordl._proc_group import WATCH_S, stop_group, watch
 from coordl._shm import SHM_DIR_ENV, shm_dir
-from coordl.analyzer import phases
+from coordl.analyzer import phase_env
 from coordl.analyzer.model import Pipeline
 
 PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and over)",
@@ -53,8 +53,8 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
         if os.path.exists(path):
             os.remove(path)
     shm = tempfile.mkdtemp(prefix="coordl-analyze-", dir=shm_dir())  # removed with all it holds when the phase ends
-    env = dict(os.environ, **{phases.PHASE_ENV: phase, phases.RESULT_ENV: result_path, phases.ITERS_ENV: str(iters),
-                              phases.WARMUP_ENV: str(warmup), SHM_DIR_ENV: shm})
+    env = dict(os.environ, **{phase_env.PHASE_ENV: phase, phase_env.RESULT_ENV: result_path,
+                              phase_env.ITERS_ENV: str(iters), phase_env.WARMUP_ENV: str(warmup), SHM_DIR_ENV: shm})
     started = time.monotonic()
     try:
         with open(log_path, "wb") as log:
@@ -70,7 +70,7 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
                 stop_group(proc, seen, STOP_GRACE_S)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    markers = glob.glob(glob.escape(result_path) + "*" + phases.CLAIMED)
+    markers = glob.glob(glob.escape(result_path) + "*" + phase_env.CLAIMED)
     claimed = bool(markers)
     for marker in markers:
         os.remove(marker)
@@ -172,8 +172,8 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     phase's result, ``flags``: what makes a rate doubtful)."""
     os.makedirs(out_dir, exist_ok=True)
     results = {}
-    for n, phase in enumerate(phases.PHASES, 1):
-        say(f"[{n}/{len(phases.PHASES)}] {PHASE_TITLES[phase]}")
+    for n, phase in enumerate(phase_env.PHASES, 1):
+        say(f"[{n}/{len(phase_env.PHASES)}] {PHASE_TITLES[phase]}")
         started = time.monotonic()
         try:
             results[phase] = run_phase(command, phase, out_dir, iters=iters, warmup=warmup, timeout_s=timeout_s,

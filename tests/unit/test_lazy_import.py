@@ -8,14 +8,14 @@ import pytest
 import coordl
 
 LIGHT = ["coordl", "coordl.cli", "coordl._shm", "coordl._peer_wire", "coordl.peer_server", "coordl.minio_cache",
-         "coordl.coord_prep", "coordl.storage"]
+         "coordl.coord_prep", "coordl.storage", "coordl.analyzer.runner"]
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-def test_the_package_the_cli_and_the_shm_cache_and_peer_modules_import_no_torch():
+def test_the_package_the_cli_the_analyze_runner_and_the_shm_cache_and_peer_modules_import_no_torch():
     done = _run(f"import importlib, sys\nfor m in {LIGHT!r}: importlib.import_module(m)\n"
                 "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'nvidia')))")
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
