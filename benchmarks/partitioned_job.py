@@ -13,7 +13,8 @@ as DDP does, ``--step-s`` sleeps for a training step, ``--device MAJ:MIN`` recor
 cgroup read from that device per epoch, ``--warm-all`` first reads the whole dataset into this server's
 cache (the full-local reference), ``--idle-after NODE:EPOCHS`` has a server stop iterating early,
 ``--locality`` turns on locality-aware batches, ``--lag NODE:SECONDS`` has a server's ranks start their
-last epoch that much later (so the others finish first).
+last epoch that much later (so the others finish first), ``--group-first`` joins the gloo group before the
+loader is built (with no ``COORDL_PEER_SECRET``, the peers then agree their secret over it).
 """
 
 import argparse
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.0, help="a training step's time")
     parser.add_argument("--backend", default="torch", choices=("torch", "dali"))
     parser.add_argument("--sync", action="store_true", help="all-reduce after every step, as DDP")
+    parser.add_argument("--group-first", action="store_true",
+                        help="join the gloo group before building the loader (the peers then agree their secret over it)")
     parser.add_argument("--device", default=None, help="MAJ:MIN whose reads this rank's cgroup counts")
     parser.add_argument("--warm-all", action="store_true", help="read every sample into the cache first")
     parser.add_argument("--locality", action="store_true", help="locality_aware=True")
@@ -99,11 +102,13 @@ def main() -> None:
     pause = tuple(int(v) for v in args.pause.split(":")) if args.pause else None
     if pause is not None and len(pause) == 3:
         pause = pause[:2] if pause[2] == node else None
+    if args.group_first:
+        dist.init_process_group("gloo")
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                                cache_bytes=cache_bytes, partitioned=partitioned, backend=args.backend,
                                locality_aware=args.locality)
     peers = loader.dataset.peers
-    if args.sync:
+    if args.sync and not dist.is_initialized():
         dist.init_process_group("gloo")
     if args.warm_all:
         for _ in coordl.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
@@ -164,7 +169,7 @@ def main() -> None:
               "cached_bytes": cache.bytes_cached if cache is not None else 0,
               "owner_digest": hashlib.sha256(peers.state.owner.tobytes()).hexdigest() if peers else None}
     loader.close()
-    if args.sync:
+    if dist.is_initialized():
         dist.destroy_process_group()
     path = os.path.join(args.out, f"rank{rank}.json")
     with open(path + ".part", "w") as f:

@@ -57,9 +57,12 @@ received a late hand-off may hold a second copy, wasted capacity, never a wrong 
 
 NOTE [ Security ]
 Peers authenticate each connection with HMAC challenge-response over a per-job secret (see
-``_peer_wire``): ``COORDL_PEER_SECRET`` if set (the same on every server), else one that the first rank
-to ask creates in the rendezvous store: it is exactly as private as that store (anyone who can reach
-torchrun's store can read it). The server binds the address this server uses to reach the store
+``_peer_wire``) that never goes through the rendezvous store, which anyone who can reach it may read and
+write (torchrun's ``TCPStore`` has no authentication): ``COORDL_PEER_SECRET`` or the file
+``COORDL_PEER_SECRET_FILE`` names, the same on every server, else random bytes rank 0 draws and
+broadcasts over torch.distributed's default process group once it is initialized (only the job's ranks
+are in it). With neither, partitioned caching stays off ("auto", saying why) or fails (True). The
+server binds the address this server uses to reach the store
 (``MASTER_ADDR``), never every interface, unless ``COORDL_PEER_HOST`` says otherwise.
 
 NOTE [ Threads at exit ]
@@ -88,11 +91,13 @@ import socket
 import struct
 import threading
 import time
+import warnings
 import weakref
 import zlib
 
 import numpy as np
 import torch
+import torch.distributed
 
 from coordl import _peer_wire as wire
 from coordl import peer_server
@@ -102,6 +107,9 @@ logger = logging.getLogger(__name__)
 
 PARTITIONED = ("auto", True, False)
 SECRET_ENV = "COORDL_PEER_SECRET"
+SECRET_FILE_ENV = "COORDL_PEER_SECRET_FILE"
+SECRET_BYTES = 32
+"""The length of the secret rank 0 draws when none is given."""
 HOST_ENV = "COORDL_PEER_HOST"
 PORT_ENV = "COORDL_PEER_PORT"
 TIMEOUT_ENV = "COORDL_PEER_TIMEOUT_S"
@@ -210,10 +218,61 @@ def resolve(partitioned, cache_on: bool) -> Topology | None:
             raise ValueError("partitioned=True needs the cache: cache_bytes=0 turns it off")
         if topology.nodes > _MAX_NODES:
             raise ValueError(f"partitioned caching supports up to {_MAX_NODES} servers, not {topology.nodes}")
+        _secret_known(True)
         return topology
     if topology is None or topology.nodes < 2 or not cache_on or topology.nodes > _MAX_NODES:
         return None
-    return topology
+    return topology if _secret_known(partitioned) else None
+
+
+def _secret_known(partitioned) -> bool:
+    """Whether the peers' secret can be had without the rendezvous store (see NOTE [ Security ]): given, or
+    agreed over torch.distributed's process group. Without it ``partitioned=True`` fails and "auto" turns
+    partitioned caching off, saying why."""
+    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV) or (torch.distributed.is_available() and
+                                                                       torch.distributed.is_initialized()):
+        return True
+    why = (f"partitioned caching needs a secret the rendezvous store does not hold: call "
+           f"torch.distributed.init_process_group before building the loader (rank 0 then draws one and sends "
+           f"it over the group), or give every server the same one in {SECRET_ENV} or a file named by "
+           f"{SECRET_FILE_ENV}")
+    if partitioned is True:
+        raise RuntimeError(why)
+    warnings.warn(f"{why}; each server caches on its own", stacklevel=2)
+    return False
+
+
+def job_secret(topology: Topology) -> bytes:
+    """The peers' secret: ``COORDL_PEER_SECRET``, else the contents of the file ``COORDL_PEER_SECRET_FILE``
+    names (readable by its owner only), else :data:`SECRET_BYTES` random bytes rank 0 draws and broadcasts
+    over torch.distributed's default process group (which only the job's ranks join; a collective, as every
+    rank builds its loaders alike)."""
+    given = os.environ.get(SECRET_ENV)
+    if given:
+        return given.encode()
+    path = os.environ.get(SECRET_FILE_ENV)
+    if path:
+        return _secret_from_file(path)
+    backend = torch.distributed.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    drawn = secrets.token_bytes(SECRET_BYTES) if topology.rank == 0 else bytes(SECRET_BYTES)
+    secret = torch.frombuffer(bytearray(drawn), dtype=torch.uint8).to(device)
+    torch.distributed.broadcast(secret, src=0)
+    return bytes(secret.cpu().numpy())
+
+
+def _secret_from_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_mode & 0o077:
+                raise ValueError(f"{SECRET_FILE_ENV}={path!r} can be read or written by others than its owner: "
+                                 f"chmod 600 it (the peers' secret must be private to the job)")
+            secret = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"{SECRET_FILE_ENV}={path!r} cannot be read: {e}") from None
+    if not secret:
+        raise ValueError(f"{SECRET_FILE_ENV}={path!r} is empty: it should hold the peers' secret")
+    return secret
 
 
 def owners_of(maps: list[np.ndarray | None], n_items: int) -> np.ndarray:
@@ -355,7 +414,7 @@ class PeerTier:
         self.state = PeerState(self.n_items, topology.nodes, processes)
         self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
         self._store = _store(topology, self.prefix)
-        self.secret = self._secret()
+        self.secret = job_secret(topology)
         self._cache, self._server = cache, None
         self._maps_known = 0  # the last epoch begun
         self._absent: set[int] = set()  # servers missing from the last map: not waited for again
@@ -376,12 +435,6 @@ class PeerTier:
         state = self.__dict__.copy()
         state.update(_store=None, _server=None, _cache=None, _threads=None, _hand_off=None)
         return state
-
-    def _secret(self) -> bytes:
-        given = os.environ.get(SECRET_ENV)
-        if given:
-            return given.encode()
-        return bytes(self._store.compare_set("secret", "", secrets.token_hex(32)))
 
     # -- the training process: epoch starts ------------------------------------------------------------
 

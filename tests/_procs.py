@@ -383,5 +383,22 @@ def join_group_then_die(group: str, joined):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def agree_peer_secret(rank: int, world: int, store_port: int, out: str):
+    """Join a gloo group of ``world`` through the store at ``store_port`` as ``rank``, agree on the peers'
+    secret as a partitioned loader does (none given), and write it to ``out`` (hex)."""
+    import torch.distributed as dist
+    from coordl import partitioned
+    for name in (partitioned.SECRET_ENV, partitioned.SECRET_FILE_ENV):
+        os.environ.pop(name, None)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    topology = partitioned.Topology(rank=rank, world=world, local_rank=0, local_world=1, node=rank, nodes=world,
+                                    master_addr="127.0.0.1", master_port=store_port, run="secret")
+    secret = partitioned.job_secret(topology)
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        f.write(secret.hex())
+
+
 if __name__ == "__main__":
     sys.exit("not a script")

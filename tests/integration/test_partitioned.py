@@ -60,11 +60,12 @@ def dataset(source_root, tmp_path):
 
 
 def _run(cluster, root: str, out: str, *, epochs: int, cache_bytes, nproc: int, extra=(), wait=True,
-         peer_timeout_s: float | None = RELAXED_PEER_TIMEOUT_S):
+         peer_timeout_s: float | None = RELAXED_PEER_TIMEOUT_S, secret: str | None = SECRET):
     """Launch the job on every server (``peer_timeout_s``: ``COORDL_PEER_TIMEOUT_S``, None for the default,
-    which the tests of a dead peer's cost keep); with ``wait``, its results."""
+    which the tests of a dead peer's cost keep; ``secret``: ``COORDL_PEER_SECRET``, None for none); with
+    ``wait``, its results."""
     os.makedirs(out, exist_ok=True)
-    env = {"COORDL_LOG_LEVEL": "INFO", "COORDL_PEER_SECRET": SECRET}
+    env = {"COORDL_LOG_LEVEL": "INFO", **({"COORDL_PEER_SECRET": secret} if secret is not None else {})}
     if peer_timeout_s is not None:
         env[TIMEOUT_ENV] = str(peer_timeout_s)
     cluster.launch_all(JOB, ["--root", root, "--out", out, "--epochs", str(epochs), "--cache-bytes", str(cache_bytes),
@@ -386,6 +387,49 @@ def test_a_client_from_another_server_without_the_secret_gets_nothing(make_clust
     assert "refused" in answers["wrong"] and "items" not in answers["wrong"]
     served = {int(i): c for i, c in answers[SECRET]["items"].items()}
     assert len(served) > 0 and all(crcs[i] == c for i, c in served.items())
+
+
+_STORE_READER = r"""
+import datetime, json, socket, sys, time
+import torch.distributed as dist
+from coordl import _peer_wire as wire
+master, master_port, host, port, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+store = dist.TCPStore(master, master_port, is_master=False, timeout=datetime.timedelta(seconds=10))
+values = {store.get(key) for key in store.list_keys()}
+result = {"keys": len(values), "refused": 0, "served": 0}
+for secret in values:
+    conn = socket.create_connection((host, port), timeout=5)
+    try:
+        wire.client_handshake(conn, secret, time.monotonic() + 5)
+        conn.sendall(wire.encode_request(list(range(n))))
+        result["served"] += sum(d is not None for _, d in wire.read_reply(conn, list(range(n)), time.monotonic() + 5))
+    except (OSError, wire.PeerProtocolError):
+        result["refused"] += 1
+    finally:
+        conn.close()
+print(json.dumps(result))
+"""
+
+
+def test_a_process_that_reads_every_key_of_the_store_gets_no_cached_byte(make_cluster, dataset, tmp_path):
+    """No secret given: the ranks agree one over their process group, so a process outside the job that
+    reads every key of torchrun's rendezvous store and tries each value as the secret is refused by the peer
+    server, while the job's own ranks read through it."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    _run(cluster, root, out, epochs=2, cache_bytes=sum(sizes) // 2, nproc=1, secret=None,
+         extra=["--pause", "2:1", "--group-first"], wait=False)
+    host, port = _wait_paused(out, [0, 1])[0]["address"]
+    reader = cluster.exec(1, [sys.executable, "-c", _STORE_READER, cluster.master_addr, str(cluster.master_port),
+                              host, str(port), str(len(crcs))], stdout=-1, stderr=-1, text=True)
+    stdout, stderr = reader.communicate(timeout=120)
+    open(os.path.join(out, "go"), "w").close()
+    results = _results(cluster, out, 1)
+    _check_every_sample_once(results, crcs, 2)
+    seen = json.loads(stdout or "{}")
+    assert seen and seen["keys"] > 0 and seen["refused"] == seen["keys"] and seen["served"] == 0, stderr
+    assert _epoch_sum(results, 2, "peer_hits") > 0  # the secret the ranks agreed serves them
 
 
 def test_the_dali_backend_reads_through_the_peers(make_cluster, source_root, tmp_path):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from coordl import partitioned
+from tests import _procs
 from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
@@ -41,6 +42,7 @@ def test_the_topology_is_torchruns():
 def test_auto_partitions_only_a_job_of_several_servers_with_a_cache(monkeypatch, env, cache_on, expected):
     for name in TORCHRUN:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(partitioned.SECRET_ENV, "s" * 16)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     topology = resolve("auto", cache_on)
@@ -60,6 +62,59 @@ def test_insisting_without_torchrun_or_without_a_cache_fails_clearly(monkeypatch
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="partitioned should be"):
             resolve(bad, True)
+
+
+def test_without_a_secret_the_store_does_not_hold_auto_stays_off_saying_why_and_true_fails(monkeypatch):
+    """NOTE [ Security ]: the rendezvous store is readable by anyone who reaches it, so it never carries the
+    secret; with none given and no process group to agree one over, no peer server starts."""
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    for name in (partitioned.SECRET_ENV, partitioned.SECRET_FILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(UserWarning, match="init_process_group before building the loader.*COORDL_PEER_SECRET"):
+        assert resolve("auto", True) is None
+    with pytest.raises(RuntimeError, match="a secret the rendezvous store does not hold"):
+        resolve(True, True)
+    monkeypatch.setenv(partitioned.SECRET_FILE_ENV, "/no/such/file")
+    assert resolve(True, True).nodes == 4
+
+
+def test_a_secret_file_is_read_only_when_private_to_its_owner(monkeypatch, tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(b"the-jobs-secret\n")
+    monkeypatch.delenv(partitioned.SECRET_ENV, raising=False)
+    monkeypatch.setenv(partitioned.SECRET_FILE_ENV, str(path))
+    topology = Topology.from_env(TORCHRUN)
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match=f"COORDL_PEER_SECRET_FILE='{path}' can be read or written by others.*chmod 600"):
+        partitioned.job_secret(topology)
+    path.chmod(0o600)
+    assert partitioned.job_secret(topology) == b"the-jobs-secret"
+    path.write_bytes(b"\n")
+    with pytest.raises(ValueError, match="is empty"):
+        partitioned.job_secret(topology)
+    monkeypatch.setenv(partitioned.SECRET_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="missing'.* cannot be read"):
+        partitioned.job_secret(topology)
+    monkeypatch.setenv(partitioned.SECRET_ENV, "given")  # the variable first
+    assert partitioned.job_secret(topology) == b"given"
+
+
+def test_without_a_given_secret_the_ranks_agree_one_over_their_process_group_not_the_store(tmp_path):
+    """Rank 0 draws it and broadcasts it over the gloo group: the ranks hold the same random bytes, and no
+    key of the store they rendezvoused through holds them."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [_procs.spawn(_procs.agree_peer_secret, rank, 2, store.port, str(tmp_path / f"rank{rank}"))
+             for rank in range(2)]
+    for proc in ranks:
+        proc.join(_procs.JOIN_TIMEOUT)
+        assert proc.exitcode == 0
+    secrets = [bytes.fromhex((tmp_path / f"rank{rank}").read_text()) for rank in range(2)]
+    assert secrets[0] == secrets[1] and len(secrets[0]) == partitioned.SECRET_BYTES
+    if hasattr(store, "list_keys"):  # torch 2.7 and later
+        held = [store.get(key) for key in store.list_keys()]
+        assert held and not any(secrets[0] in value or secrets[0].hex().encode() in value for value in held)
 
 
 @pytest.mark.parametrize("name, value, why", [
