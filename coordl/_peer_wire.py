@@ -1,45 +1,68 @@
-"""The peer tier's wire format: length-prefixed binary frames and the HMAC handshake. No pickles.
+"""The peer tier's wire format: length-prefixed binary frames, an HMAC handshake, and a tag on every message
+after it. No pickles.
 
 NOTE [ Peer wire ]
 Every connection starts with a mutual challenge-response over the job's secret:
-  server -> client  ``HELLO`` magic (8 bytes) + server nonce (32)
-  client -> server  HMAC-SHA256(secret, "client" + server nonce) (32) + client nonce (32)
-  server -> client  HMAC-SHA256(secret, "server" + client nonce) (32)
-Both sides compare digests with ``hmac.compare_digest``; a wrong one closes the connection, so neither
-side sends or accepts a byte of data to or from anyone who does not know the secret.
+  server -> client  ``HELLO`` magic (8 bytes) + server nonce (32) + server's storage id (16)
+  client -> server  HMAC-SHA256(secret, "client" + T) (32) + client nonce (32) + client's storage id (16)
+  server -> client  HMAC-SHA256(secret, "server" + T) (32)
+where T is the transcript: server nonce + server's storage id + client nonce + client's storage id. Both
+sides compare digests with ``hmac.compare_digest``; a wrong one closes the connection, so neither side
+sends or accepts a byte of data to or from anyone who does not know the secret. Both then hold the
+connection's session key, HMAC-SHA256(secret, "session" + T), which no one without the secret can derive
+(a relay that passes the handshake through included).
+
+A storage id names the files a side reads: the peer tier's is a digest of its stamp (``storage.Stamp``)
+of the dataset's first file as it starts, zeros for a storage that stamps nothing. A stamp names a version
+of a file where it is stored (inode, ctime, size), so two sides compare stamps only where their ids are
+equal and nonzero (``Channel.shared``): they read the same storage. A server with its own copy of the
+dataset (or whose first file changed as the servers started) has another id, and the functions here give
+None for the stamps that messages to or from it carry.
 
 Then the client sends requests and the server answers each in order:
-  request  ``!4sI`` (``REQUEST`` magic, count) + count x ``!I`` item ids
-  reply    ``!4sI`` (``REPLY`` magic, count) + per id, in the request's order: ``!IBII`` (id, status,
-           length, crc32 of the bytes) + the bytes (``length`` of them when status is ``FOUND``, none
-           when ``ABSENT``)
+  request  ``!4sI`` (``REQUEST`` magic, count) + count x ``!I`` item ids + tag
+  reply    ``!4sI`` (``REPLY`` magic, count), then per id, in the request's order: ``!IBIQq`` (id, status,
+           length, inode and ctime ns of the stored stamp) + the bytes (``length`` of them when status is
+           ``FOUND``, none when ``ABSENT``) + tag
 A request holds at most ``MAX_IDS`` ids; an item is at most ``MAX_ITEM_BYTES``. The client checks that
-each reply names the id it asked for, in order, and that the bytes match their checksum before use.
+each reply item names the id it asked for, in order, and its tag, before it uses a byte.
 
 A client may also hand the server an item to keep (see ``partitioned`` NOTE [ Hand-off ]):
-  keep     ``!4sIII`` (``KEEP`` magic, id, length, crc32) + the bytes
-  answer   ``!4sIB`` (``KEPT`` magic, id, outcome): ``STORED``, ``FULL`` (its cache takes no more) or
-           ``DECLINED`` (held already, or its own copy of the file has another length)
+  keep     ``!4sI`` (``KEEP`` magic, id) + ``!IQq`` (length, inode and ctime ns of the stamp of the read
+           that produced the bytes) + the bytes + tag
+  answer   ``!4sIB`` (``KEPT`` magic, id, outcome) + tag: ``STORED``, ``FULL`` (its cache takes no more) or
+           ``DECLINED`` (held already, or its own file is another version)
 The server decides from the header whether it would keep the item: only then does it read the bytes
-into memory (at most its own file's length) and check their checksum; else it reads past them in small
-chunks. So a hand-off never makes a server hold more than an item it would cache anyway.
+into memory (at most its own file's length); else it reads past them in small chunks. Either way it
+checks the tag before it answers. So a hand-off never makes a server hold more than an item it would
+cache anyway.
+
+A tag is HMAC-SHA256(session key, direction + number + message) truncated to its first ``TAG_BYTES``
+(16: 128 bits), where the direction is ``c>s`` or ``s>c`` and the number counts the tagged messages
+sent that way on the connection (8 bytes, from 0), and the message is every byte of the request, item
+(header and bytes), hand-off or answer before the tag. So a byte altered, dropped, added, reordered or
+replayed from another message or connection fails its tag, and the receiver drops the connection (a
+``PeerProtocolError``). A reply item's stamp is the one the server's copy was stored with, checked
+against the server's file as it is served; a hand-off's is the sender's read's.
 """
 
 import collections
-import hashlib
 import hmac
 import secrets
 import socket
 import struct
 import time
-import zlib
 
-HELLO = b"CDLPEER1"
+HELLO = b"CDLPEER2"
 REQUEST = b"CDLQ"
 REPLY = b"CDLR"
 KEEP = b"CDLK"
 KEPT = b"CDLA"
 NONCE_BYTES = 32
+STORAGE_ID_BYTES = 16
+NO_STORAGE = bytes(STORAGE_ID_BYTES)
+"""The storage id of a side whose stamps compare with no one's."""
+TAG_BYTES = 16
 FOUND, ABSENT = 0, 1
 STORED, FULL, DECLINED = 0, 1, 2
 MAX_IDS = 8192
@@ -48,26 +71,70 @@ MAX_ITEM_BYTES = 1 << 30
 """Largest item a reply may carry."""
 
 _FRAME = struct.Struct("!4sI")
-_ID = struct.Struct("!I")
-_ITEM = struct.Struct("!IBII")
-_KEEP_TAIL = struct.Struct("!II")  # after _FRAME(KEEP, id): length, crc32
+_ITEM = struct.Struct("!IBIQq")  # id, status, length, inode, ctime ns
+_KEEP_TAIL = struct.Struct("!IQq")  # after _FRAME(KEEP, id): length, inode, ctime ns
 _KEPT = struct.Struct("!4sIB")
+_SEQ = struct.Struct("!Q")
+_MAC_BYTES = 32
+_SENDS = {True: b"c>s", False: b"s>c"}  # by whether the sender is the client
 _SEND_CHUNK = 1 << 20
 _SKIP_CHUNK = 1 << 16
 MIN_RATE = 10**7
 """Bytes per second a client must at least keep up within a frame's body (on top of ``frame_s``)."""
 
-Handoff = collections.namedtuple("Handoff", "index length crc")
-"""A hand-off's header; its bytes follow on the connection (:func:`read_handoff`)."""
+Handoff = collections.namedtuple("Handoff", "index length stamp mac")
+"""A hand-off's header: its ``stamp`` (None where the two sides' stamps do not compare) and the ``mac`` of
+its message so far; its bytes and tag follow on the connection (:func:`read_handoff`)."""
 
 
 class PeerProtocolError(ConnectionError):
-    """The other side broke the protocol (bad magic, wrong id, bad checksum, oversized frame) or failed the
+    """The other side broke the protocol (bad magic, wrong id, bad tag, oversized frame) or failed the
     handshake; the connection is closed."""
 
 
-def _mac(secret: bytes, role: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+class Channel:
+    """An authenticated connection (from :func:`server_handshake` or :func:`client_handshake`): its
+    ``sock``, its session ``key``, whether both ends read the same storage (``shared``), and the number of
+    the next tagged message each way (see NOTE [ Peer wire ]). One thread uses it at a time."""
+
+    def __init__(self, sock: socket.socket, key: bytes, shared: bool, client: bool):
+        self.sock, self.key, self.shared = sock, key, shared
+        self._labels = (_SENDS[client], _SENDS[not client])  # (sent, received)
+        self._counts = [0, 0]
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def tag(self, *parts) -> bytes:
+        """The tag of the next message this end sends: ``parts`` are its bytes before the tag."""
+        return self._mac(0, parts).digest()[:TAG_BYTES]
+
+    def receiving(self, *parts):
+        """The MAC of the next message this end receives, fed ``parts`` (its first bytes): feed it the rest
+        (``update``), then :meth:`check` it."""
+        return self._mac(1, parts)
+
+    def check(self, mac, deadline: float | None, what: str) -> None:
+        """Read the tag that ends a received message and compare it with ``mac``'s; ``PeerProtocolError``
+        if they differ."""
+        if not hmac.compare_digest(recv_exact(self.sock, TAG_BYTES, deadline), mac.digest()[:TAG_BYTES]):
+            raise PeerProtocolError(f"{what}: bad tag (altered on the way, or not from this connection's peer)")
+
+    def _mac(self, way: int, parts):
+        mac = hmac.new(self.key, self._labels[way] + _SEQ.pack(self._counts[way]), "sha256")
+        self._counts[way] += 1
+        for part in parts:
+            mac.update(part)
+        return mac
+
+
+def _mac(secret: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(secret, role + transcript, "sha256").digest()
+
+
+def _channel(sock: socket.socket, secret: bytes, transcript: bytes, ours: bytes, theirs: bytes,
+             client: bool) -> Channel:
+    return Channel(sock, _mac(secret, b"session", transcript), ours == theirs != NO_STORAGE, client)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -88,125 +155,158 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None:
-    """Authenticate a client that connected (see NOTE [ Peer wire ]); raises ``PeerProtocolError``."""
+def server_handshake(sock: socket.socket, secret: bytes, deadline: float,
+                     storage_id: bytes = NO_STORAGE) -> Channel:
+    """Authenticate a client that connected (see NOTE [ Peer wire ]; ``storage_id``: this side's); raises
+    ``PeerProtocolError``."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(HELLO + nonce)
-    answer = recv_exact(sock, 2 * NONCE_BYTES, deadline)
-    if not hmac.compare_digest(answer[:NONCE_BYTES], _mac(secret, b"client", nonce)):
+    sock.sendall(HELLO + nonce + storage_id)
+    answer = recv_exact(sock, _MAC_BYTES + NONCE_BYTES + STORAGE_ID_BYTES, deadline)
+    transcript = nonce + storage_id + answer[_MAC_BYTES:]
+    if not hmac.compare_digest(answer[:_MAC_BYTES], _mac(secret, b"client", transcript)):
         raise PeerProtocolError("client failed the handshake (wrong secret)")
-    sock.sendall(_mac(secret, b"server", answer[NONCE_BYTES:]))
+    sock.sendall(_mac(secret, b"server", transcript))
+    return _channel(sock, secret, transcript, storage_id, answer[-STORAGE_ID_BYTES:], client=False)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> None:
-    """Authenticate to a server and check that it knows the secret too; raises ``PeerProtocolError``."""
-    hello = recv_exact(sock, len(HELLO) + NONCE_BYTES, deadline)
+def client_handshake(sock: socket.socket, secret: bytes, deadline: float,
+                     storage_id: bytes = NO_STORAGE) -> Channel:
+    """Authenticate to a server and check that it knows the secret too (``storage_id``: this side's); raises
+    ``PeerProtocolError``."""
+    hello = recv_exact(sock, len(HELLO) + NONCE_BYTES + STORAGE_ID_BYTES, deadline)
     if hello[:len(HELLO)] != HELLO:
-        raise PeerProtocolError("not a coordl peer server (bad greeting)")
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(_mac(secret, b"client", hello[len(HELLO):]) + nonce)
-    if not hmac.compare_digest(recv_exact(sock, NONCE_BYTES, deadline), _mac(secret, b"server", nonce)):
+        raise PeerProtocolError("not a coordl peer server of this version (bad greeting)")
+    mine = secrets.token_bytes(NONCE_BYTES) + storage_id
+    transcript = hello[len(HELLO):] + mine
+    sock.sendall(_mac(secret, b"client", transcript) + mine)
+    if not hmac.compare_digest(recv_exact(sock, _MAC_BYTES, deadline), _mac(secret, b"server", transcript)):
         raise PeerProtocolError("server failed the handshake (wrong secret)")
+    return _channel(sock, secret, transcript, storage_id, hello[-STORAGE_ID_BYTES:], client=True)
 
 
-def encode_request(ids) -> bytes:
+def send_request(channel: Channel, ids) -> None:
+    """Ask for ``ids`` (1 to ``MAX_IDS`` of them)."""
     ids = list(ids)
     if not 0 < len(ids) <= MAX_IDS:
         raise ValueError(f"a request holds 1 to {MAX_IDS} ids, not {len(ids)}")
-    return _FRAME.pack(REQUEST, len(ids)) + struct.pack(f"!{len(ids)}I", *ids)
+    frame = _FRAME.pack(REQUEST, len(ids)) + struct.pack(f"!{len(ids)}I", *ids)
+    channel.sock.sendall(frame + channel.tag(frame))
 
 
-def read_request(sock: socket.socket, n_items: int, first_byte_deadline: float | None,
+def read_request(channel: Channel, n_items: int, first_byte_deadline: float | None,
                  frame_s: float) -> list[int] | Handoff | None:
     """The next request: its ids (a list), or a hand-off's header (its bytes not read yet: see
     :func:`read_handoff`), or None when the client closed between requests. Raises ``PeerProtocolError``
-    for a bad frame or an id out of ``range(n_items)``, ``TimeoutError`` when a started frame takes more
-    than ``frame_s`` (a slow client)."""
+    for a bad frame or tag or an id out of ``range(n_items)``, ``TimeoutError`` when a started frame takes
+    more than ``frame_s`` (a slow client)."""
+    sock = channel.sock
     try:
         first = recv_exact(sock, 1, first_byte_deadline)
     except ConnectionError:
         return None
     deadline = time.monotonic() + frame_s
-    magic, count = _FRAME.unpack(first + recv_exact(sock, _FRAME.size - 1, deadline))
+    header = first + recv_exact(sock, _FRAME.size - 1, deadline)
+    magic, count = _FRAME.unpack(header)
     if magic == KEEP:
-        length, crc = _KEEP_TAIL.unpack(recv_exact(sock, _KEEP_TAIL.size, deadline))
+        tail = recv_exact(sock, _KEEP_TAIL.size, deadline)
+        length, inode, ctime = _KEEP_TAIL.unpack(tail)
         if count >= n_items or length > MAX_ITEM_BYTES:
             raise PeerProtocolError(f"hand-off of item {count} ({length} bytes) out of range")
-        return Handoff(count, length, crc)
+        return Handoff(count, length, _stamp(channel, inode, ctime, length), channel.receiving(header, tail))
     if magic != REQUEST:
         raise PeerProtocolError(f"bad request magic {magic!r}")
     if not 0 < count <= MAX_IDS:
         raise PeerProtocolError(f"request of {count} ids (1 to {MAX_IDS} allowed)")
-    ids = struct.unpack(f"!{count}I", recv_exact(sock, 4 * count, deadline))
+    body = recv_exact(sock, 4 * count, deadline)
+    channel.check(channel.receiving(header, body), deadline, "request")
+    ids = struct.unpack(f"!{count}I", body)
     if max(ids) >= n_items:
         raise PeerProtocolError(f"item id {max(ids)} out of range (the dataset has {n_items})")
     return list(ids)
 
 
-def read_handoff(sock: socket.socket, handoff: Handoff, frame_s: float, keep: bool) -> bytes | None:
-    """The bytes of ``handoff`` (``keep``: read and checked against its checksum, else ``PeerProtocolError``),
-    or None after reading past them in small chunks (``keep=False``)."""
+def read_handoff(channel: Channel, handoff: Handoff, frame_s: float, keep: bool) -> bytes | None:
+    """The bytes of ``handoff`` (``keep``), or None after reading past them in small chunks; either way
+    their tag is checked (else ``PeerProtocolError``)."""
     deadline = time.monotonic() + frame_s + handoff.length / MIN_RATE
+    sock, mac = channel.sock, handoff.mac
     if keep:
         data = recv_exact(sock, handoff.length, deadline)
-        if zlib.crc32(data) != handoff.crc:
-            raise PeerProtocolError(f"hand-off of item {handoff.index}: checksum mismatch ({handoff.length} bytes)")
-        return data
-    left = handoff.length
-    while left:
-        left -= len(recv_exact(sock, min(left, _SKIP_CHUNK), deadline))
-    return None
+        mac.update(data)
+    else:
+        data, left = None, handoff.length
+        while left:
+            chunk = recv_exact(sock, min(left, _SKIP_CHUNK), deadline)
+            mac.update(chunk)
+            left -= len(chunk)
+    channel.check(mac, deadline, f"hand-off of item {handoff.index}")
+    return data
 
 
-def send_keep(sock: socket.socket, index: int, data) -> None:
-    """Hand item ``index`` to the server to keep."""
-    sock.sendall(_FRAME.pack(KEEP, index) + _KEEP_TAIL.pack(len(data), zlib.crc32(data)))
-    sock.sendall(data)
+def send_keep(channel: Channel, index: int, data, stamp: tuple | None) -> None:
+    """Hand item ``index`` to the server to keep: ``data``, read with ``stamp`` (None: unstamped)."""
+    header = _FRAME.pack(KEEP, index) + _KEEP_TAIL.pack(len(data), *_version(stamp))
+    tag = channel.tag(header, data)
+    channel.sock.sendall(header)
+    channel.sock.sendall(data)
+    channel.sock.sendall(tag)
 
 
-def send_kept(sock: socket.socket, index: int, outcome: int) -> None:
-    sock.sendall(_KEPT.pack(KEPT, index, outcome))
+def send_kept(channel: Channel, index: int, outcome: int) -> None:
+    frame = _KEPT.pack(KEPT, index, outcome)
+    channel.sock.sendall(frame + channel.tag(frame))
 
 
-def read_kept(sock: socket.socket, index: int, deadline: float | None) -> int:
+def read_kept(channel: Channel, index: int, deadline: float | None) -> int:
     """The server's answer to handing it ``index``: ``STORED``, ``FULL`` or ``DECLINED``."""
-    magic, got, outcome = _KEPT.unpack(recv_exact(sock, _KEPT.size, deadline))
+    frame = recv_exact(channel.sock, _KEPT.size, deadline)
+    channel.check(channel.receiving(frame), deadline, f"hand-off answer for id {index}")
+    magic, got, outcome = _KEPT.unpack(frame)
     if magic != KEPT or got != index or outcome not in (STORED, FULL, DECLINED):
         raise PeerProtocolError(f"bad hand-off answer {magic!r} (id {got}, outcome {outcome}) for id {index}")
     return outcome
 
 
-def send_reply(sock: socket.socket, items: list[tuple[int, object]]) -> None:
-    """Answer a request: ``items`` are (id, bytes-like or None), in the request's order (sent in writes of
-    about ``_SEND_CHUNK`` bytes)."""
+def send_reply(channel: Channel, items: list[tuple[int, tuple | None]]) -> None:
+    """Answer a request: ``items`` are (id, (bytes-like, stamp or None) or None), in the request's order
+    (sent in writes of about ``_SEND_CHUNK`` bytes)."""
     parts, size = [_FRAME.pack(REPLY, len(items))], 0
-    for index, data in items:
-        if data is None:
-            parts.append(_ITEM.pack(index, ABSENT, 0, 0))
-        else:
-            parts += (_ITEM.pack(index, FOUND, len(data), zlib.crc32(data)), data)
-            size += len(data)
+    for index, found in items:
+        data, stamp = (b"", None) if found is None else found
+        header = _ITEM.pack(index, ABSENT if found is None else FOUND, len(data), *_version(stamp))
+        parts += (header, data, channel.tag(header, data))
+        size += len(data)
         if size >= _SEND_CHUNK:
-            sock.sendall(b"".join(parts))
+            channel.sock.sendall(b"".join(parts))
             parts, size = [], 0
     if parts:
-        sock.sendall(b"".join(parts))
+        channel.sock.sendall(b"".join(parts))
 
 
-def read_reply(sock: socket.socket, ids: list[int], deadline: float):
-    """Yield (id, bytes or None) for each of ``ids`` as its reply arrives, checked (id, length, checksum);
-    raises ``PeerProtocolError`` on anything else, ``TimeoutError`` past ``deadline``."""
+def read_reply(channel: Channel, ids: list[int], deadline: float | None):
+    """Yield (id, bytes or None, stamp) for each of ``ids`` as its reply arrives, checked (id, length, tag);
+    the stamp is the server's (None where stamps do not compare: see NOTE [ Peer wire ]). Raises
+    ``PeerProtocolError`` on anything else, ``TimeoutError`` past ``deadline``."""
+    sock = channel.sock
     magic, count = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
     if magic != REPLY or count != len(ids):
         raise PeerProtocolError(f"bad reply header {magic!r} for {count} items ({len(ids)} asked)")
     for expected in ids:
-        index, status, length, crc = _ITEM.unpack(recv_exact(sock, _ITEM.size, deadline))
-        if index != expected or status not in (FOUND, ABSENT) or length > MAX_ITEM_BYTES:
+        header = recv_exact(sock, _ITEM.size, deadline)
+        index, status, length, inode, ctime = _ITEM.unpack(header)
+        if index != expected or status not in (FOUND, ABSENT) or length > MAX_ITEM_BYTES or (status == ABSENT
+                                                                                             and length):
             raise PeerProtocolError(f"bad reply item (id {index}, status {status}, {length} bytes) for id {expected}")
-        if status == ABSENT:
-            yield index, None
-            continue
         data = recv_exact(sock, length, deadline)
-        if zlib.crc32(data) != crc:
-            raise PeerProtocolError(f"item {index}: checksum mismatch ({length} bytes)")
-        yield index, data
+        channel.check(channel.receiving(header, data), deadline, f"item {index}")
+        yield (index, None, None) if status == ABSENT else (index, data, _stamp(channel, inode, ctime, length))
+
+
+def _version(stamp: tuple | None) -> tuple[int, int]:
+    """A stamp's inode and ctime for the wire (zeros: none)."""
+    return (0, 0) if stamp is None else (stamp[0], stamp[1])
+
+
+def _stamp(channel: Channel, inode: int, ctime: int, length: int) -> tuple | None:
+    """The stamp a message carries, where this connection's stamps compare."""
+    return (inode, ctime, length) if channel.shared else None

@@ -157,10 +157,11 @@ class CachedDataset(torch.utils.data.Dataset):
         With a storage that stamps its files (``FileStorage``), a cached item is served only while its
         file's stamp (one ``stat``) is the one it was cached with: else (edited, replaced, a link
         re-pointed, gone) it is read from storage and counted ``stale``; the cache keeps the old bytes
-        (never rewritten under readers) and serves them to no one. Bytes from a peer are not inserted:
+        (never rewritten under readers) and serves them to no one. So is a peer's copy whose stamp is not
+        this server's file's (where the peer reads the same storage). Bytes from a peer are not inserted:
         the peer holds them already, and neither are bytes read from storage because the peer that the map
-        says holds them did not deliver. Bytes from storage that a full cache cannot take are handed to a
-        peer with room (``partitioned`` NOTE [ Hand-off ]).
+        says holds them did not deliver (or its copy was stale). Bytes from storage that a full cache cannot
+        take are handed, with their stamp, to a peer with room (``partitioned`` NOTE [ Hand-off ]).
         """
         if self.cache is not None and torch.utils.data.get_worker_info() is not None:
             exit_when_orphaned(self._release)
@@ -188,14 +189,24 @@ class CachedDataset(torch.utils.data.Dataset):
             row[_PEER_NS] += time.perf_counter_ns() - started
             for k in misses:
                 if indices[k] in asked:
-                    raw = delivered.get(indices[k])
-                    if raw is None:
-                        raws[k] = self._from_storage(indices[k], row)
-                    else:
-                        row[_PEER_HITS] += 1
-                        row[_PEER_BYTES] += len(raw)
-                        raws[k] = raw
+                    raw = self._from_peer(indices[k], delivered, row)
+                    raws[k] = self._from_storage(indices[k], row) if raw is None else raw
         return raws
+
+    def _from_peer(self, index: int, delivered: dict, row: np.ndarray):
+        """The bytes of ``index`` a peer delivered (counted as a peer hit), or None: none delivered, or (where
+        the peer reads the same storage) its copy's stamp is not this server's file's (counted stale). A
+        file missing here is no version to compare: the peer vouched for its copy against its own file."""
+        raw, stamp = delivered.get(index, (None, None))
+        if raw is None:
+            return None
+        current = stamper(self.storage)
+        if stamp is not None and current is not None and current(self.source.raw_key(index)) not in (None, stamp):
+            row[_STALE] += 1
+            return None
+        row[_PEER_HITS] += 1
+        row[_PEER_BYTES] += len(raw)
+        return raw
 
     def _cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """The node's cached bytes of each of ``indices`` (``views``: views, not copies) that is current, else
@@ -238,7 +249,7 @@ class CachedDataset(torch.utils.data.Dataset):
             return raw  # its owner did not deliver (slow, down, stale): no second copy while the map names it
         if cache is not None and (stamp is not None or stamped is None):
             if not cache.put(index, raw, stamp) and peers is not None and cache.full:
-                peers.hand_off(index, raw)  # see partitioned NOTE [ Hand-off ]
+                peers.hand_off(index, raw, stamp)  # see partitioned NOTE [ Hand-off ]
         return raw
 
     def __getitem__(self, index: int) -> Any:

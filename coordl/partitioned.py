@@ -32,21 +32,25 @@ did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight
 later batches of the plan are out while the training loop consumes earlier ones. A peer that refuses
 the connection, breaks the protocol or sends nothing for ``COORDL_PEER_TIMEOUT_S`` (default 1 s) is
 marked down for the rest of the epoch in shared memory (so the rank's other workers skip it at
-once), logged once, and its items come from storage; every epoch start tries it again. An item read from
-storage because its owner did not deliver it is not cached here, even with room: its copy is the
-owner's while the map names it (a server gone from the next map owns nothing, and its items are then
-cached where they are read).
+once), logged once, and its items come from storage; every epoch start tries it again. A delivered
+item whose stamp is not this server's file's (where the peer reads the same storage) comes from
+storage too. An item read from storage because its owner did not deliver it is not cached here, even
+with room: its copy is the owner's while the map names it (a server gone from the next map owns
+nothing, and its items are then cached where they are read).
 
 NOTE [ Hand-off ]
 A server's share of an epoch is random, so with an aggregate cache of about the dataset some caches
 fill before their server's share is in while others keep room: without help, what overflowed would be
 read from storage again in later epochs. So a process that reads an item no server holds from storage
 while its node's cache is full hands the bytes (in the background, never delaying the batch) to the
-next server, in turn, that still takes items; that server keeps them as if read from its own storage
-(stamped with its own copy of the file, declined if that has another length, is missing, or the item
-is held already), and the next map exchange makes it the owner. A server that answers ``FULL`` (or
-whose map says frozen) gets no more; one that fails a hand-off gets no more from that process (its
-reads are not affected). A process drains its queue (for at most ``HANDOFF_DRAIN_S``) before it exits,
+next server, in turn, that still takes items, with the stamp of the read that produced them; that
+server keeps them as if read from its own storage, and the next map exchange makes it the owner. It
+declines them if it holds the item already or its own file is missing or another version: where both
+servers read the same storage (``_peer_wire`` NOTE [ Peer wire ]), one whose stamp is not the read's,
+so a file edited between the read and the hand-off is never kept as current; where it keeps its own
+copy of the dataset, one of another length (copies are trusted to hold the same bytes). A server that
+answers ``FULL`` (or whose map says frozen) gets no more; one that fails a hand-off gets no more from
+that process (its reads are not affected). A process drains its queue (for at most ``HANDOFF_DRAIN_S``) before it exits,
 as a torch worker does at its epoch's end, and a rank before it starts an epoch; every live server's
 ranks must have started the epoch before any map is taken. So the caches fill up to the sum of their
 capacities in epoch 1 and storage is read once, except for what was not handed off in time: an item
@@ -56,9 +60,11 @@ storage again in the next epoch, as without hand-offs (a server with room then c
 received a late hand-off may hold a second copy, wasted capacity, never a wrong byte).
 
 NOTE [ Security ]
-Peers authenticate each connection with HMAC challenge-response over a per-job secret (see
-``_peer_wire``) that never goes through the rendezvous store, which anyone who can reach it may read and
-write (torchrun's ``TCPStore`` has no authentication): ``COORDL_PEER_SECRET`` or the file
+Peers authenticate each connection with HMAC challenge-response over a per-job secret, and every
+request, reply item, hand-off and answer after it with a tag under the connection's own key (see
+``_peer_wire``), so no one without the secret, a relay in the middle included, can alter a byte unseen.
+The secret never goes through the rendezvous store, which anyone who can reach it may read and write
+(torchrun's ``TCPStore`` has no authentication): it is ``COORDL_PEER_SECRET`` or the file
 ``COORDL_PEER_SECRET_FILE`` names, the same on every server, else random bytes rank 0 draws and
 broadcasts over torch.distributed's default process group once it is initialized (only the job's ranks
 are in it). With neither, partitioned caching stays off ("auto", saying why) or fails (True). The
@@ -415,6 +421,7 @@ class PeerTier:
         self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
         self._store = _store(topology, self.prefix)
         self.secret = job_secret(topology)
+        self.storage_id = peer_server.storage_id(storage, source.raw_key(0) if self.n_items else None)
         self._cache, self._server = cache, None
         self._maps_known = 0  # the last epoch begun
         self._absent: set[int] = set()  # servers missing from the last map: not waited for again
@@ -574,9 +581,9 @@ class PeerTier:
                 by_node.setdefault(node, []).append(i)
         for node, ids in by_node.items():
             try:
-                conn = self._connection(node)
+                channel = self._connection(node)
                 for start in range(0, len(ids), wire.MAX_IDS):
-                    conn.sendall(wire.encode_request(ids[start:start + wire.MAX_IDS]))
+                    wire.send_request(channel, ids[start:start + wire.MAX_IDS])
             except (OSError, wire.PeerProtocolError) as e:
                 self._mark_down(node, e)
                 continue
@@ -590,9 +597,9 @@ class PeerTier:
         owner = int(self.state.owner[index])
         return owner >= 0 and owner != self.topology.node
 
-    def hand_off(self, index: int, raw) -> None:
-        """Offer ``index``'s bytes, just read from storage while this node's cache is full, to a peer whose
-        cache still takes items (in the background: see NOTE [ Hand-off ])."""
+    def hand_off(self, index: int, raw, stamp) -> None:
+        """Offer ``index``'s bytes, just read from storage with ``stamp`` while this node's cache is full, to a
+        peer whose cache still takes items (in the background: see NOTE [ Hand-off ])."""
         if self.state.owner[index] >= 0:  # a server holds it (down, or its copy stale): no second copy
             return
         full, down = self.state.full, self.state.down
@@ -604,9 +611,9 @@ class PeerTier:
             if self._hand_off is None or self._hand_off[0] != pid:
                 self._hand_off = (pid, _HandOff(self._hand_to_a_peer, self._close_thread_connections))
                 self._address_wait_s, self._refused = 0.0, set()
-        self._hand_off[1].offer(index, raw)
+        self._hand_off[1].offer(index, raw, stamp)
 
-    def _hand_to_a_peer(self, index: int, raw: bytes) -> None:
+    def _hand_to_a_peer(self, index: int, raw: bytes, stamp) -> None:
         """In the sender thread: give ``index`` to the first server after this one that keeps it. While no
         server that may take it has an address yet (at the first epoch's start, servers come up together),
         it waits for one, for at most :data:`HANDOFF_DRAIN_S` in this process's life. A server that fails a
@@ -626,9 +633,9 @@ class PeerTier:
             if state.full[node] or state.down[node] or node in self._refused or state.address(node) is None:
                 continue
             try:
-                conn = self._connection(node)
-                wire.send_keep(conn, index, raw)
-                outcome = wire.read_kept(conn, index, time.monotonic() + self.timeout_s)
+                channel = self._connection(node)
+                wire.send_keep(channel, index, raw, stamp)
+                outcome = wire.read_kept(channel, index, time.monotonic() + self.timeout_s)
             except (OSError, wire.PeerProtocolError) as e:
                 self._refused.add(node)
                 self._close_connection(node)
@@ -652,9 +659,9 @@ class PeerTier:
         for node in list(self._connections()):
             self._close_connection(node)
 
-    def _connections(self) -> dict[int, socket.socket]:
-        """This thread's connections to the peers, by server: a socket is never shared by threads (the DALI
-        backend fetches from several) nor inherited over fork."""
+    def _connections(self) -> dict[int, wire.Channel]:
+        """This thread's connections to the peers, by server: a connection is never shared by threads (the
+        DALI backend fetches from several) nor inherited over fork."""
         with _threads_lock:
             if self._threads is None or self._threads[0] != os.getpid():
                 self._threads = (os.getpid(), threading.local(), [])
@@ -664,23 +671,23 @@ class PeerTier:
                 self._threads[2].append(local.conns)
             return local.conns
 
-    def _connection(self, node: int) -> socket.socket:
+    def _connection(self, node: int) -> wire.Channel:
         conns = self._connections()
-        conn = conns.get(node)
-        if conn is None:
+        channel = conns.get(node)
+        if channel is None:
             address = self.state.address(node)
             if address is None:
                 raise ConnectionError(f"server {node}'s address is unknown")
             conn = socket.create_connection(address, timeout=self.timeout_s)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s)
+                channel = wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s, self.storage_id)
             except BaseException:
                 conn.close()
                 raise
             conn.settimeout(self.timeout_s)
-            conns[node] = conn
-        return conn
+            conns[node] = channel
+        return channel
 
     def _mark_down(self, node: int, error: BaseException) -> None:
         self._close_connection(node)
@@ -752,7 +759,7 @@ class PeerTier:
 
 
 class _HandOff:
-    """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw)`` (calling
+    """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw, stamp)`` (calling
     ``idle()`` once the queue has stayed empty for :data:`HANDOFF_IDLE_S`); drained (for at most
     :data:`HANDOFF_DRAIN_S`) before the process exits, as a torch worker does at its epoch's end, or when
     closed."""
@@ -765,11 +772,12 @@ class _HandOff:
         self._thread.start()
         self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=0)
 
-    def offer(self, index: int, raw) -> None:
-        """Queue ``raw`` unless :data:`HANDOFF_QUEUE_BYTES` are queued already (then it is dropped)."""
+    def offer(self, index: int, raw, stamp) -> None:
+        """Queue ``raw`` (read with ``stamp``) unless :data:`HANDOFF_QUEUE_BYTES` are queued already (then it
+        is dropped)."""
         with self._ready:
             if self._bytes + len(raw) <= HANDOFF_QUEUE_BYTES:
-                self._queue.append((index, raw))
+                self._queue.append((index, raw, stamp))
                 self._bytes += len(raw)
                 self._ready.notify_all()
 
@@ -802,7 +810,7 @@ class _HandOff:
                 if self._stopped:
                     return
                 if woke:
-                    index, raw = self._queue.popleft()
+                    index, raw, stamp = self._queue.popleft()
                     self._bytes -= len(raw)
                     self._busy = True
             if not woke:  # nothing to hand off for a while: let go of the connections
@@ -810,7 +818,7 @@ class _HandOff:
                 connected = False
                 continue
             try:
-                self._send(index, raw)
+                self._send(index, raw, stamp)
             except Exception:  # a hand-off is a favour: losing one costs a later storage read, not a sample
                 logger.debug("coordl partitioned caching: handing off item %d failed", index, exc_info=True)
             finally:
@@ -828,18 +836,20 @@ class PendingFetch:
         self.tier, self.sent, self.asked = tier, {}, set()
         self._started = time.monotonic_ns()
 
-    def collect(self) -> dict[int, object]:
-        """The items peers delivered, checked (see ``_peer_wire``); an id missing here comes from storage."""
+    def collect(self) -> dict[int, tuple]:
+        """The items peers delivered, checked (see ``_peer_wire``), as (bytes, the stamp the peer's copy was
+        stored with, or None where its stamps do not compare with this server's); an id missing here comes
+        from storage."""
         got, tier = {}, self.tier
         row = tier.counters_row() if self.sent else None
         for node, ids in self.sent.items():
             received = 0
             try:
-                conn = tier._connections()[node]
+                channel = tier._connections()[node]
                 for start in range(0, len(ids), wire.MAX_IDS):
-                    for index, data in wire.read_reply(conn, ids[start:start + wire.MAX_IDS], None):
+                    for index, data, stamp in wire.read_reply(channel, ids[start:start + wire.MAX_IDS], None):
                         if data is not None:
-                            got[index] = data
+                            got[index] = data, stamp
                             received += len(data)
                             row[node, _ITEMS] += 1
             except (OSError, KeyError, wire.PeerProtocolError) as e:

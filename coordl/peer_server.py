@@ -5,11 +5,12 @@ as torch forks its DataLoader workers, so serving never takes the training loop'
 dataset's keys without pickling them. It exits when that rank tells it to (closing the loader), exits
 or dies (it polls its parent). See ``_peer_wire`` NOTE [ Peer wire ] for the protocol.
 
-Each client gets a thread. A client that fails the handshake, sends a malformed or oversized frame, an
-id out of range, or takes more than ``frame_s`` to send a frame it has begun is dropped; the server and
-its other clients go on.
+Each client gets a thread. A client that fails the handshake, sends a malformed or oversized frame, a
+bad tag, an id out of range, or takes more than ``frame_s`` to send a frame it has begun is dropped; the
+server and its other clients go on.
 """
 
+import hashlib
 import logging
 import socket
 import threading
@@ -28,13 +29,15 @@ MAX_CLIENTS = 512
 
 
 class PeerServer:
-    """Serves ``lookup(index) -> bytes-like | None`` for ids in ``range(n_items)`` to clients that know
-    ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes their
-    hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one)."""
+    """Serves ``lookup(index) -> (bytes-like, stamp or None) | None`` for ids in ``range(n_items)`` to clients
+    that know ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes
+    their hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one), saying ``storage_id``
+    (see :func:`storage_id`)."""
 
     def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
-                 frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
+                 storage_id: bytes = wire.NO_STORAGE, frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
         self.lookup, self.n_items, self.secret, self.keeper = lookup, n_items, secret, keeper
+        self.storage_id = storage_id
         self.frame_s, self.max_clients = frame_s, max_clients
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          backlog=128)
@@ -63,15 +66,15 @@ class PeerServer:
     def _serve_client(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S)
+            channel = wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S, self.storage_id)
             while True:
-                request = wire.read_request(conn, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
+                request = wire.read_request(channel, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
                 if request is None:
                     return
                 if isinstance(request, wire.Handoff):
-                    self._take(conn, request)
+                    self._take(channel, request)
                 else:
-                    wire.send_reply(conn, [(i, self.lookup(i)) for i in request])
+                    wire.send_reply(channel, [(i, self.lookup(i)) for i in request])
         except (OSError, wire.PeerProtocolError) as e:  # TimeoutError and ConnectionError are OSErrors
             logger.debug("coordl peer server: dropped a client: %s", e)
         finally:
@@ -79,13 +82,15 @@ class PeerServer:
                 self._clients.discard(conn)
             conn.close()
 
-    def _take(self, conn: socket.socket, handoff: "wire.Handoff") -> None:
-        """Answer a hand-off: its bytes are read only if the keeper would keep an item of that length."""
-        outcome, stamp = self.keeper.admit(handoff.index, handoff.length) if self.keeper else (wire.DECLINED, None)
-        data = wire.read_handoff(conn, handoff, self.frame_s, keep=outcome == wire.STORED)
+    def _take(self, channel: wire.Channel, handoff: wire.Handoff) -> None:
+        """Answer a hand-off: its bytes are read only if the keeper would keep them, and kept only once
+        their tag is checked."""
+        outcome, stamp = (self.keeper.admit(handoff.index, handoff.length, handoff.stamp) if self.keeper
+                          else (wire.DECLINED, None))
+        data = wire.read_handoff(channel, handoff, self.frame_s, keep=outcome == wire.STORED)
         if data is not None:
             outcome = self.keeper.keep(handoff.index, data, stamp)
-        wire.send_kept(conn, handoff.index, outcome)
+        wire.send_kept(channel, handoff.index, outcome)
 
     def close(self) -> None:
         self._closed = True
@@ -102,27 +107,45 @@ class PeerServer:
                     pass
 
 
+def storage_id(storage, first_key) -> bytes:
+    """This server's storage id (``_peer_wire`` NOTE [ Peer wire ]): a digest of its stamp of the dataset's
+    first file ``first_key``, the same on every server that reads the same files; ``wire.NO_STORAGE`` with
+    a storage that stamps nothing, or no such file."""
+    stamp = stamper(storage)
+    version = stamp(first_key) if stamp is not None and first_key is not None else None
+    if version is None:
+        return wire.NO_STORAGE
+    return hashlib.blake2b(repr(version).encode(), digest_size=wire.STORAGE_ID_BYTES).digest()
+
+
 def cache_lookup(cache, source, storage):
-    """``lookup`` serving ``cache``'s items as a local hit is served: with a storage that stamps its files,
-    only while the item's file still has the stamp it was cached with (``storage.is_current``)."""
+    """``lookup`` serving ``cache``'s items, with their stamps, as a local hit is served: with a storage
+    that stamps its files, only while the item's file still has the stamp it was cached with
+    (``storage.is_current``)."""
     def lookup(index: int):
         raw = cache.view(index)  # no copy: the reply is joined from it
-        return raw if raw is not None and is_current(storage, source.raw_key(index), cache.stamp(index)) else None
+        if raw is None:
+            return None
+        stamp = cache.stamp(index)
+        return (raw, stamp) if is_current(storage, source.raw_key(index), stamp) else None
     return lookup
 
 
 class CacheKeeper:
-    """Puts peers' hand-offs in ``cache`` as a read from this server's own storage would: with a storage
-    that stamps its files, stamped with this server's file, and only if that file has the item's length
-    (else it is another version, or missing here: declined). Authenticated peers are trusted with the
-    bytes, as readers trust what peers serve them: checksums guard the transport, not intent."""
+    """Puts peers' hand-offs in ``cache`` as a read from this server's own storage would. With a storage
+    that stamps its files, a hand-off whose stamp compares here (both servers read the same storage) is
+    kept only while this server's file still has that stamp, the stamp of the read that produced the bytes;
+    one from a server with its own copy of the dataset, only if this server's file has the item's length,
+    stamped with that file (copies are trusted to hold the same bytes). Else (another version, or missing
+    here) it is declined. Authenticated peers are trusted with the bytes, as readers trust what peers serve
+    them: tags guard the transport, not intent."""
 
     def __init__(self, cache, source, storage):
         self.cache, self.source, self._stamp = cache, source, stamper(storage)
 
-    def admit(self, index: int, length: int) -> tuple[int, tuple | None]:
-        """(``STORED``, the stamp to keep it with) if an item of ``length`` bytes would be kept (send its
-        bytes), else (``FULL`` or ``DECLINED``, None)."""
+    def admit(self, index: int, length: int, stamp: tuple | None) -> tuple[int, tuple | None]:
+        """(``STORED``, the stamp to keep it with) if an item of ``length`` bytes read with ``stamp`` (None:
+        one that does not compare here) would be kept (send its bytes), else (``FULL`` or ``DECLINED``, None)."""
         cache = self.cache
         if cache.view(index) is not None:
             return wire.DECLINED, None
@@ -130,8 +153,10 @@ class CacheKeeper:
             return wire.FULL, None
         if self._stamp is None:  # keys name immutable bytes: any length the cache could hold
             return (wire.STORED if length <= cache.capacity_bytes else wire.DECLINED), None
-        stamp = self._stamp(self.source.raw_key(index))
-        return (wire.STORED, stamp) if stamp is not None and stamp[-1] == length else (wire.DECLINED, None)
+        mine = self._stamp(self.source.raw_key(index))
+        if mine is None or mine[-1] != length or (stamp is not None and stamp != mine):
+            return wire.DECLINED, None
+        return wire.STORED, mine
 
     def keep(self, index: int, data: bytes, stamp: tuple | None) -> int:
         """Put the admitted item's bytes (its ``length`` of them) with the stamp :meth:`admit` gave."""
@@ -145,7 +170,8 @@ def serve(cache, source, storage, secret: bytes, host: str, port: int, control) 
     on the ``control`` pipe once listening, and exit when the pipe says stop or closes, or the parent dies."""
     try:
         server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
-                            keeper=CacheKeeper(cache, source, storage)).start()
+                            keeper=CacheKeeper(cache, source, storage),
+                            storage_id=storage_id(storage, source.raw_key(0) if cache.n_items else None)).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return

@@ -356,10 +356,11 @@ host, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
 result = {}
 conn = socket.create_connection((host, port), timeout=5)
 try:
-    wire.client_handshake(conn, secret, time.monotonic() + 5)
-    conn.sendall(wire.encode_request(list(range(int(sys.argv[4])))))
-    result["items"] = {i: __import__("zlib").crc32(d) for i, d in wire.read_reply(conn, list(range(int(sys.argv[4]))),
-                                                                                time.monotonic() + 5) if d is not None}
+    channel = wire.client_handshake(conn, secret, time.monotonic() + 5)
+    ids = list(range(int(sys.argv[4])))
+    wire.send_request(channel, ids)
+    result["items"] = {i: __import__("zlib").crc32(d) for i, d, _ in wire.read_reply(channel, ids, time.monotonic() + 5)
+                       if d is not None}
 except (OSError, wire.PeerProtocolError) as e:
     result["refused"] = type(e).__name__
 print(json.dumps(result))

@@ -1,6 +1,7 @@
 """Partitioned caching's pieces without a cluster: topology from torchrun's environment, the option, cache maps
 and the ownership they give."""
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -15,8 +16,12 @@ import numpy as np
 import pytest
 
 from coordl import partitioned
-from tests import _procs
+from coordl.minio_cache import MinIOCache, cache_segment_name
 from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
+from coordl.peer_server import CacheKeeper, PeerServer, cache_lookup, storage_id
+from coordl.storage import FileStorage
+from tests import _procs
+from tests._peers import Relay, edit, flip
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
             "GROUP_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400",
@@ -207,23 +212,23 @@ def test_a_hand_off_queue_sends_in_order_drains_lets_go_when_idle_and_stops(monk
     monkeypatch.setattr(partitioned, "HANDOFF_QUEUE_BYTES", 100)
     sent, idle, gate = [], threading.Event(), threading.Event()
 
-    def send(index, raw):
+    def send(index, raw, stamp):
         gate.wait(5)
         sent.append((index, raw))
     queue = partitioned._HandOff(send, idle.set)
     thread = queue._thread
-    queue.offer(1, b"a" * 60)
+    queue.offer(1, b"a" * 60, None)
     deadline = time.monotonic() + 5
     while not queue._busy and time.monotonic() < deadline:  # item 1 is taken (its send waits on the gate)
         time.sleep(0.01)
-    queue.offer(2, b"b" * 30)
-    queue.offer(3, b"c" * 80)  # 30 + 80 > 100: dropped
-    queue.offer(4, b"d" * 60)
+    queue.offer(2, b"b" * 30, None)
+    queue.offer(3, b"c" * 80, None)  # 30 + 80 > 100: dropped
+    queue.offer(4, b"d" * 60, None)
     gate.set()
     queue.drain()
     assert [i for i, _ in sent] == [1, 2, 4]
     assert not idle.is_set() and idle.wait(2)  # quiet for HANDOFF_IDLE_S after the last send
-    queue.offer(5, b"e")
+    queue.offer(5, b"e", None)
     queue.close()
     assert [i for i, _ in sent] == [1, 2, 4, 5]
     assert not thread.is_alive()  # close waits for it
@@ -287,7 +292,7 @@ _EXITING_RANK = textwrap.dedent("""
                                     master_addr="127.0.0.1", master_port=store.port, run="exit")
     tier = partitioned.PeerTier(topology, None, Source(), None, processes=1)
     tier.begin_epoch(1)  # the learner waits for server 1's address: it never comes
-    tier.hand_off(0, b"x" * 10)  # the sender waits for an address to hand it to
+    tier.hand_off(0, b"x" * 10, None)  # the sender waits for an address to hand it to
     sender = tier._hand_off[1]
     while not sender._busy:
         time.sleep(0.01)
@@ -337,7 +342,8 @@ def test_an_item_its_owner_does_not_deliver_is_read_from_storage_and_not_cached_
         def decode_raw(self, i, raw):
             return bytes(raw)
 
-    peer = PeerServer(lambda i: files[i].read_bytes() if i == 0 else None, len(files), b"s" * 16, "127.0.0.1").start()
+    peer = PeerServer(lambda i: (files[i].read_bytes(), None) if i == 0 else None, len(files), b"s" * 16,
+                      "127.0.0.1").start()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
                                     master_addr="127.0.0.1", master_port=store.port, run="no-double")
@@ -364,6 +370,132 @@ def test_an_item_its_owner_does_not_deliver_is_read_from_storage_and_not_cached_
             tier.close()
     finally:
         del os.environ[partitioned.SECRET_ENV]
+        peer.close()
+
+
+SECRET = "s" * 16
+
+
+class _Files:
+    """``n`` small files under ``root``, as a ``CachedDataset``'s source (keys, and bytes as the sample)."""
+
+    def __init__(self, root, n: int = 3):
+        self.paths = [root / f"f{i}" for i in range(n)]
+        for i, path in enumerate(self.paths):
+            path.write_bytes(bytes([i]) * (100 + i))
+
+    def __len__(self):
+        return len(self.paths)
+
+    def raw_key(self, i):
+        return str(self.paths[i])
+
+    def decode_raw(self, i, raw):
+        return bytes(raw)
+
+    def read(self) -> list[bytes]:
+        return [path.read_bytes() for path in self.paths]
+
+
+@contextlib.contextmanager
+def _server_0(monkeypatch, files: _Files, storage, peer_address, cache_bytes: int = 2**20):
+    """A ``CachedDataset`` of ``files`` read from ``storage`` by rank 1 of server 0 of 2 (no peer server of its
+    own) with a cache of ``cache_bytes``, and its counters; server 1's peer server is at ``peer_address``, and no
+    map is known yet."""
+    import torch.distributed as dist
+
+    from coordl.cached_dataset import CachedDataset, SampleCounters
+    monkeypatch.setenv(partitioned.SECRET_ENV, SECRET)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
+                                    master_addr="127.0.0.1", master_port=store.port, run=f"peer-{time.monotonic_ns()}")
+    tier = partitioned.PeerTier(topology, None, files, storage, processes=1)
+    tier.state.set_address(1, "127.0.0.1:%d" % peer_address[1])
+    with MinIOCache(cache_segment_name(f"server-0-{time.monotonic_ns()}"), n_items=len(files),
+                    capacity_bytes=cache_bytes, fingerprint=bytes(32)) as cache:
+        counters = SampleCounters(1)
+        try:
+            yield CachedDataset(files, files, cache, storage, counters, identity=bytes(32), peers=tier), counters
+        finally:
+            tier.close()
+
+
+def _owned_by_server_1(dataset) -> None:
+    dataset.peers.state.owner[:] = 1
+    dataset.peers.state.meta[0] = 1  # a map is known
+
+
+def test_a_peer_copy_whose_stamp_is_not_this_servers_files_is_read_from_storage(tmp_path, monkeypatch):
+    """Server 1 reads the same files and serves its copies with the stamps they were stored with, unchecked (as
+    a server that missed an edit would): item 1's file has been edited since, so item 1 comes from storage
+    (counted stale), items 0 and 2 from the peer. The stamps of a server with its own copy of the dataset
+    (another storage id) are not compared: its items are used."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    stored = {i: storage.read_stamped(files.raw_key(i)) for i in range(len(files))}
+    edit(files.paths[1])
+    copies = {i: (raw, (7, 7, len(raw))) for i, raw in enumerate(files.read())}  # another server's stamps
+    peers = [PeerServer(stored.get, len(files), SECRET.encode(), "127.0.0.1",
+                        storage_id=storage_id(storage, files.raw_key(0))).start(),
+             PeerServer(copies.get, len(files), SECRET.encode(), "127.0.0.1",
+                        storage_id=b"its own copy".ljust(16, b"\0")).start()]
+    try:
+        for peer, expected in zip(peers, [(2, 1, 1), (3, 0, 0)]):
+            with _server_0(monkeypatch, files, storage, peer.address) as (dataset, counters):
+                _owned_by_server_1(dataset)
+                assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+                totals = counters.totals()
+                assert (totals["peer_hits"], totals["stale"], totals["misses"]) == expected
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_a_hand_off_carries_the_stamp_of_the_read_and_is_not_kept_after_an_edit(tmp_path, monkeypatch):
+    """This server's cache is full, so what it reads is handed to server 1, which reads the same files. Item
+    1's file is edited right after this server read it (a hook in the storage), before server 1 admits the
+    bytes: server 1 declines them, and holds and serves nothing for item 1; item 2 it keeps with the stamp
+    of this server's read."""
+    files = _Files(tmp_path)
+
+    class EditedAfterRead(FileStorage):
+        def read_stamped(self, key):
+            read = super().read_stamped(key)
+            if key == files.raw_key(1):
+                edit(files.paths[1])
+            return read
+    storage, before = EditedAfterRead(drop_page_cache=False), files.read()
+    with MinIOCache(cache_segment_name(f"server-1-{time.monotonic_ns()}"), n_items=len(files),
+                    capacity_bytes=2**20, fingerprint=bytes(32)) as theirs:
+        peer = PeerServer(cache_lookup(theirs, files, storage), len(files), SECRET.encode(), "127.0.0.1",
+                          keeper=CacheKeeper(theirs, files, storage),
+                          storage_id=storage_id(storage, files.raw_key(0))).start()
+        try:
+            with _server_0(monkeypatch, files, storage, peer.address, cache_bytes=1) as (dataset, counters):
+                assert [bytes(raw) for raw in dataset.fetch_many([1, 2], counters.row())] == before[1:]
+                dataset.peers._hand_off[1].drain()
+                assert dataset.peers.peer_stats()[0]["handed_off"] == 1
+        finally:
+            peer.close()
+        assert theirs.get(1) is None
+        assert theirs.get(2) == before[2] and theirs.stamp(2) == storage.stamp(files.raw_key(2))
+
+
+def test_a_relay_that_rewrites_a_peers_replies_gets_no_forged_byte_into_a_batch(tmp_path, monkeypatch):
+    """A relay between this server and server 1 passes the handshake through and rewrites every item it
+    relays: the batch holds the files' own bytes (from storage), nothing from the peer, and the peer is
+    marked down for the epoch."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    served = {i: (raw, None) for i, raw in enumerate(files.read())}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1").start()
+    relay = Relay(peer.address, forge_item=flip)
+    try:
+        with _server_0(monkeypatch, files, storage, relay.address) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert counters.totals()["peer_hits"] == 0 and relay.seen["items"] >= 1
+            assert dataset.peers.state.down[1] == 1
+    finally:
+        relay.close()
         peer.close()
 
 

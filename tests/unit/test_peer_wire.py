@@ -1,18 +1,21 @@
-"""The peer tier's wire and server on loopback: handshake, frames, checksums, and clients that misbehave."""
+"""The peer tier's wire and server on loopback: handshake, frames, tags and stamps, clients that misbehave,
+and a relay between a client and a server that alters what it passes on."""
 
+import contextlib
+import os
 import random
 import socket
 import struct
 import threading
 import time
-import zlib
 
 import pytest
 
 from coordl import _peer_wire as wire
 from coordl.minio_cache import MinIOCache, cache_segment_name
-from coordl.peer_server import CacheKeeper, PeerServer
+from coordl.peer_server import CacheKeeper, PeerServer, cache_lookup, storage_id
 from coordl.storage import FileStorage
+from tests._peers import Relay, edit, flip
 
 SECRET = b"s3cret-of-this-job"
 N_ITEMS = 50
@@ -29,7 +32,7 @@ class Keeper:
     def __init__(self):
         self.kept = {}
 
-    def admit(self, i, length):
+    def admit(self, i, length, stamp):
         return (wire.FULL if i >= 40 else wire.STORED if length <= MAX_KEEP else wire.DECLINED), None
 
     def keep(self, i, data, stamp):
@@ -45,22 +48,21 @@ def server():
 
     def lookup(i):
         looked_up.append(i)
-        return _item(i) if i % 2 == 0 else None
+        return (_item(i), None) if i % 2 == 0 else None
     srv = PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", keeper=Keeper(), frame_s=0.5).start()
     srv.looked_up = looked_up
     yield srv
     srv.close()
 
 
-def _client(srv, secret=SECRET) -> socket.socket:
-    conn = socket.create_connection(srv.address, timeout=2)
-    wire.client_handshake(conn, secret, time.monotonic() + 2)
-    return conn
+def _client(address, secret=SECRET, storage_id=wire.NO_STORAGE) -> wire.Channel:
+    conn = socket.create_connection(address, timeout=2)
+    return wire.client_handshake(conn, secret, time.monotonic() + 2, storage_id)
 
 
-def _fetch(conn, ids):
-    conn.sendall(wire.encode_request(ids))
-    return dict(wire.read_reply(conn, ids, time.monotonic() + 2))
+def _fetch(channel, ids):
+    wire.send_request(channel, ids)
+    return {i: data for i, data, _ in wire.read_reply(channel, ids, time.monotonic() + 2)}
 
 
 def _closed_without_data(conn: socket.socket) -> bool:
@@ -72,8 +74,15 @@ def _closed_without_data(conn: socket.socket) -> bool:
         return True
 
 
+def _pair(shared=False) -> tuple[wire.Channel, wire.Channel]:
+    """Two ends of a connection that share a session key: (server, client)."""
+    a, b = socket.socketpair()
+    key = os.urandom(32)
+    return wire.Channel(a, key, shared, client=False), wire.Channel(b, key, shared, client=True)
+
+
 def test_an_authenticated_client_gets_cached_items_checked_and_misses_as_absent(server):
-    with _client(server) as conn:
+    with contextlib.closing(_client(server.address)) as conn:
         got = _fetch(conn, [4, 3, 0, 48])
         assert got == {4: _item(4), 3: None, 0: _item(0), 48: _item(48)}
         assert _fetch(conn, [2]) == {2: _item(2)}  # the connection serves request after request
@@ -82,14 +91,13 @@ def test_an_authenticated_client_gets_cached_items_checked_and_misses_as_absent(
 def test_a_client_with_the_wrong_secret_is_refused_before_any_data(server):
     conn = socket.create_connection(server.address, timeout=2)
     with pytest.raises((wire.PeerProtocolError, ConnectionError)):
-        wire.client_handshake(conn, b"wrong", time.monotonic() + 2)
-        _fetch(conn, [0])
+        _fetch(wire.client_handshake(conn, b"wrong", time.monotonic() + 2), [0])
     conn.close()
     assert server.looked_up == []
 
 
 def test_a_client_refuses_a_server_that_does_not_know_the_secret():
-    impostor = PeerServer(lambda i: b"x", N_ITEMS, b"other secret", "127.0.0.1").start()
+    impostor = PeerServer(lambda i: (b"x", None), N_ITEMS, b"other secret", "127.0.0.1").start()
     try:
         conn = socket.create_connection(impostor.address, timeout=2)
         with pytest.raises((wire.PeerProtocolError, ConnectionError)):
@@ -99,47 +107,83 @@ def test_a_client_refuses_a_server_that_does_not_know_the_secret():
         impostor.close()
 
 
-def test_a_reply_whose_bytes_do_not_match_their_checksum_is_refused():
+def _handshake(server_storage: bytes, client_storage: bytes) -> tuple[wire.Channel, wire.Channel]:
     a, b = socket.socketpair()
+    ends = {}
+    thread = threading.Thread(target=lambda: ends.update(server=wire.server_handshake(
+        a, SECRET, time.monotonic() + 2, server_storage)))
+    thread.start()
+    ends["client"] = wire.client_handshake(b, SECRET, time.monotonic() + 2, client_storage)
+    thread.join()
+    return ends["server"], ends["client"]
+
+
+def test_a_handshake_gives_both_ends_a_key_of_their_own_and_says_whether_their_stamps_compare():
+    same, other = b"s" * wire.STORAGE_ID_BYTES, b"o" * wire.STORAGE_ID_BYTES
+    first, second = _handshake(same, same), _handshake(same, same)
+    assert first[0].key == first[1].key != second[0].key  # per connection
+    assert first[0].key not in (SECRET, b"")
+    assert [end.shared for end in first] == [True, True]
+    assert [end.shared for end in _handshake(same, other)] == [False, False]
+    assert [end.shared for end in _handshake(wire.NO_STORAGE, wire.NO_STORAGE)] == [False, False]
+    for pair in (first, second):
+        for end in pair:
+            end.close()
+
+
+def test_a_reply_item_is_used_only_with_its_own_tag_id_and_place_on_the_connection():
     data = b"payload" * 10
-    a.sendall(struct.pack("!4sI", wire.REPLY, 1) + struct.pack("!IBII", 7, wire.FOUND, len(data), zlib.crc32(data) ^ 1)
-              + data)
-    with pytest.raises(wire.PeerProtocolError, match="checksum"):
-        list(wire.read_reply(b, [7], time.monotonic() + 1))
-    a.sendall(struct.pack("!4sI", wire.REPLY, 1) + struct.pack("!IBII", 8, wire.FOUND, len(data), zlib.crc32(data)) + data)
-    with pytest.raises(wire.PeerProtocolError, match="for id 7"):
-        list(wire.read_reply(b, [7], time.monotonic() + 1))
-    a.close()
-    b.close()
+    header = wire._ITEM.pack(7, wire.FOUND, len(data), 0, 0)
+    frame = wire._FRAME.pack(wire.REPLY, 1)
+    for sent, why in [(header + data[:-1] + b"!", "item 7: bad tag"),  # a byte altered
+                      (wire._ITEM.pack(7, wire.FOUND, len(data), 5, 0) + data, "item 7: bad tag"),  # its stamp
+                      (wire._ITEM.pack(8, wire.FOUND, len(data), 0, 0) + data, "for id 7")]:  # another id
+        server, client = _pair()
+        server.sock.sendall(frame + sent + server.tag(header, data))
+        with pytest.raises(wire.PeerProtocolError, match=why):
+            list(wire.read_reply(client, [7], time.monotonic() + 1))
+        server.close()
+        client.close()
+    server, client = _pair()
+    genuine = frame + header + data + server.tag(header, data)
+    server.sock.sendall(genuine + genuine)  # the same reply again: a replay of the first
+    assert list(wire.read_reply(client, [7], time.monotonic() + 1)) == [(7, data, None)]
+    with pytest.raises(wire.PeerProtocolError, match="item 7: bad tag"):
+        list(wire.read_reply(client, [7], time.monotonic() + 1))
+    server.close()
+    client.close()
 
 
 def test_a_hand_off_is_kept_checked_and_answered_between_requests(server):
-    with _client(server) as conn:
-        wire.send_keep(conn, 3, b"three" * 100)
+    with contextlib.closing(_client(server.address)) as conn:
+        wire.send_keep(conn, 3, b"three" * 100, None)
         assert wire.read_kept(conn, 3, time.monotonic() + 2) == wire.STORED
         assert _fetch(conn, [4]) == {4: _item(4)}  # requests and hand-offs share a connection
-        wire.send_keep(conn, 41, b"x")
+        wire.send_keep(conn, 41, b"x", None)
         assert wire.read_kept(conn, 41, time.monotonic() + 2) == wire.FULL
-        wire.send_keep(conn, 5, b"y" * (4 * MAX_KEEP))  # more than it would keep: read past, not held
+        wire.send_keep(conn, 5, b"y" * (4 * MAX_KEEP), None)  # more than it would keep: read past, not held
         assert wire.read_kept(conn, 5, time.monotonic() + 2) == wire.DECLINED
         assert _fetch(conn, [6]) == {6: _item(6)}  # the connection is still in step
     assert server.keeper.kept == {3: b"three" * 100}
 
 
-def _keep_frame(index: int, data: bytes, crc: int | None = None, length: int | None = None) -> bytes:
-    return struct.pack("!4sIII", wire.KEEP, index, len(data) if length is None else length,
-                       zlib.crc32(data) if crc is None else crc) + data
+def _keep_frame(index: int, data: bytes, length: int | None = None) -> bytes:
+    """A hand-off of ``data`` with a tag that no session gives."""
+    return (wire._FRAME.pack(wire.KEEP, index) + wire._KEEP_TAIL.pack(len(data) if length is None else length, 0, 0)
+            + data + bytes(wire.TAG_BYTES))
 
 
 def _authenticated_frames(rng: random.Random) -> list[bytes]:
     """Frames a broken or hostile client might send after a good handshake: none may be served or kept."""
-    good = wire.encode_request([0, 2])
+    good = struct.pack("!4sI", wire.REQUEST, 2) + struct.pack("!2I", 0, 2)
     return [
-        _keep_frame(1, b"bytes", crc=zlib.crc32(b"bytes") ^ 1),  # a hand-off whose checksum is wrong
+        _keep_frame(1, b"bytes"),  # a hand-off whose tag is wrong
+        _keep_frame(5, b"y" * (4 * MAX_KEEP)),  # one that would be read past, whose tag is wrong
         _keep_frame(1, b"", length=wire.MAX_ITEM_BYTES + 1),  # larger than any item: refused before it is read
         _keep_frame(N_ITEMS, b"bytes"),  # an id out of range
         _keep_frame(1, b"bytes" * 10)[:30],  # truncated, then the client goes quiet
         rng.randbytes(rng.randrange(8, 300)),  # random
+        good + rng.randbytes(wire.TAG_BYTES),  # a request whose tag is wrong
         good[:rng.randrange(1, len(good))],  # truncated, then the client goes quiet
         struct.pack("!4sI", wire.REQUEST, wire.MAX_IDS + 1),  # oversized
         struct.pack("!4sI", wire.REQUEST, 0),  # empty
@@ -151,32 +195,125 @@ def _authenticated_frames(rng: random.Random) -> list[bytes]:
 
 def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
     rng = random.Random(12)
-    with _client(server) as bystander:  # a good client connected all along
+    with contextlib.closing(_client(server.address)) as bystander:  # a good client connected all along
         for _ in range(20):  # junk instead of the handshake's answer: the greeting is all it gets
             conn = socket.create_connection(server.address, timeout=2)
-            assert wire.recv_exact(conn, len(wire.HELLO) + wire.NONCE_BYTES)[:len(wire.HELLO)] == wire.HELLO
-            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES, 300)))
+            greeting = wire.recv_exact(conn, len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES)
+            assert greeting[:len(wire.HELLO)] == wire.HELLO
+            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES, 300)))
             assert _closed_without_data(conn)
             conn.close()
         assert server.looked_up == []
         for frame in _authenticated_frames(rng):
-            conn = _client(server)
-            conn.sendall(frame)
-            assert _closed_without_data(conn), f"served after {frame[:16]!r}"
+            conn = _client(server.address)
+            conn.sock.sendall(frame)
+            assert _closed_without_data(conn.sock), f"served after {frame[:16]!r}"
             conn.close()
         assert server.looked_up == [] and server.keeper.kept == {}  # nothing was looked up, let alone sent, nor kept
         assert _fetch(bystander, [6, 7]) == {6: _item(6), 7: None}
-    with _client(server) as later:
+    with contextlib.closing(_client(server.address)) as later:
         assert _fetch(later, [8]) == {8: _item(8)}
 
 
+def test_a_request_tagged_for_another_connection_is_refused(server):
+    with contextlib.closing(_client(server.address)) as first, contextlib.closing(_client(server.address)) as second:
+        frame = struct.pack("!4sI", wire.REQUEST, 1) + struct.pack("!I", 0)
+        second.sock.sendall(frame + first.tag(frame))  # first's next tag, on second
+        assert _closed_without_data(second.sock)
+    assert server.looked_up == []
+
+
+def _restamp(header, data, tag):
+    return header[:-16] + struct.pack("!Qq", 12345, 678), data, tag
+
+
+@pytest.fixture
+def relay(server):
+    """``relay(**hooks)``: a :class:`Relay` to ``server``, closed after the test."""
+    relays = []
+
+    def make(**hooks):
+        relays.append(Relay(server.address, **hooks))
+        return relays[-1]
+    yield make
+    for r in relays:
+        r.close()
+
+
+@pytest.mark.parametrize("forge", [flip, _restamp])
+def test_a_relay_that_alters_every_reply_item_gets_no_forged_byte_to_the_client(server, relay, forge):
+    """The relay passes the handshake through (it never knows the secret), then alters every item of every
+    reply (its bytes, as it could recompute any checksum over them, or its stamp): on every connection the
+    client refuses the first item it reads before using a byte of it. An honest relay's items arrive."""
+    forger = relay(forge_item=forge)
+    for ids in ([4, 6, 8], [0], [10, 3]):
+        with contextlib.closing(_client(forger.address)) as conn:
+            wire.send_request(conn, ids)
+            got = []
+            with pytest.raises(wire.PeerProtocolError, match=f"item {ids[0]}: bad tag"):
+                for item in wire.read_reply(conn, ids, time.monotonic() + 2):
+                    got.append(item)
+            assert got == []
+    assert forger.seen["items"] >= 3
+    with contextlib.closing(_client(relay().address)) as conn:
+        assert _fetch(conn, [4, 3]) == {4: _item(4), 3: None}
+
+
+def test_a_relay_that_replays_an_item_of_another_connection_gets_it_refused(server, relay):
+    recorded = []
+
+    def replay(*item):
+        recorded.append(item)
+        return recorded[0]  # the first item it saw, for every later one
+    forger = relay(forge_item=replay)
+    with contextlib.closing(_client(forger.address)) as conn:
+        assert _fetch(conn, [4]) == {4: _item(4)}
+    with contextlib.closing(_client(forger.address)) as conn:
+        wire.send_request(conn, [4])
+        with pytest.raises(wire.PeerProtocolError, match="item 4: bad tag"):
+            list(wire.read_reply(conn, [4], time.monotonic() + 2))
+
+
+def test_a_relay_that_alters_the_storage_id_in_the_greeting_fails_the_handshake(server, relay):
+    """Stamps compare only where both sides' storage ids match: a relay that put the client's id in the server's
+    greeting would make the client take the server's stamps for its own; the handshake covers the ids."""
+    ours = b"s" * wire.STORAGE_ID_BYTES
+    forger = relay(forge_greeting=lambda greeting: greeting[:-wire.STORAGE_ID_BYTES] + ours)
+    conn = socket.create_connection(forger.address, timeout=2)
+    with pytest.raises((wire.PeerProtocolError, ConnectionError)):
+        wire.client_handshake(conn, SECRET, time.monotonic() + 2, ours)
+    conn.close()
+    with contextlib.closing(_client(relay().address)) as honest:
+        assert _fetch(honest, [4]) == {4: _item(4)} and not honest.shared
+    assert server.looked_up == [4]
+
+
+def test_a_relay_that_alters_a_request_or_a_hand_off_gets_nothing_served_or_kept(server, relay):
+    def alter(header, data, tag):
+        if header[:4] != wire.REQUEST:
+            return flip(header, data, tag)
+        ids = struct.unpack(f"!{len(data) // 4}I", data)
+        return header, struct.pack(f"!{len(ids)}I", *(i + 2 for i in ids)), tag  # other items, still even
+    forger = relay(forge_sent=alter)
+    with contextlib.closing(_client(forger.address)) as conn:
+        wire.send_request(conn, [4])  # asks for 4, the server would get 6
+        with pytest.raises(ConnectionError):
+            list(wire.read_reply(conn, [4], time.monotonic() + 2))
+    with contextlib.closing(_client(forger.address)) as conn:
+        wire.send_keep(conn, 3, b"three" * 100, None)
+        with pytest.raises(ConnectionError):
+            wire.read_kept(conn, 3, time.monotonic() + 2)
+    assert forger.seen["sent"] == 2
+    assert server.looked_up == [] and server.keeper.kept == {}
+
+
 def test_a_slow_client_is_dropped_and_others_are_served_meanwhile(server):
-    slow = _client(server)
-    slow.sendall(wire.encode_request([0, 2])[:5])  # begins a frame, then stalls
-    with _client(server) as other:
+    slow = _client(server.address)
+    slow.sock.sendall(struct.pack("!4sI", wire.REQUEST, 2)[:5])  # begins a frame, then stalls
+    with contextlib.closing(_client(server.address)) as other:
         assert _fetch(other, [10]) == {10: _item(10)}
     started = time.monotonic()
-    assert _closed_without_data(slow)
+    assert _closed_without_data(slow.sock)
     assert time.monotonic() - started < 2  # frame_s = 0.5
     slow.close()
 
@@ -186,7 +323,7 @@ def test_many_clients_at_once_each_get_their_own_items(server):
 
     def client(k):
         try:
-            with _client(server) as conn:
+            with contextlib.closing(_client(server.address)) as conn:
                 for _ in range(20):
                     ids = [(k * 2 + j * 2) % N_ITEMS for j in range(5)]
                     assert _fetch(conn, ids) == {i: _item(i) for i in ids}
@@ -200,10 +337,72 @@ def test_many_clients_at_once_each_get_their_own_items(server):
     assert errors == []
 
 
+@contextlib.contextmanager
+def _cache_server(tmp_path, n: int = 4):
+    """A peer server of a MinIO cache of the files ``f0``... (``_item(i)``), serving and keeping as ``serve``
+    does, with the storage id of those files."""
+    files = [tmp_path / f"f{i}" for i in range(n)]
+    for i, f in enumerate(files):
+        f.write_bytes(_item(i))
+
+    class Source:
+        def raw_key(self, i):
+            return str(files[i])
+    storage = FileStorage(drop_page_cache=False)
+    with MinIOCache(cache_segment_name(f"stamps-{time.monotonic_ns()}"), n_items=n, capacity_bytes=1 << 20,
+                    fingerprint=bytes(32)) as cache:
+        ours = storage_id(storage, str(files[0]))
+        srv = PeerServer(cache_lookup(cache, Source(), storage), n, SECRET, "127.0.0.1",
+                         keeper=CacheKeeper(cache, Source(), storage), storage_id=ours).start()
+        try:
+            yield files, storage, cache, srv, ours
+        finally:
+            srv.close()
+
+
+def test_a_hand_off_is_kept_only_while_the_receivers_file_has_the_stamp_of_the_read_that_produced_it(tmp_path):
+    """Both servers read the same files. The sender reads items 1 and 2; item 1's file is then edited (same
+    length) before the hand-off reaches the receiver: declined, nothing kept, nothing served. Item 2 is kept
+    with the read's stamp and served with it."""
+    with _cache_server(tmp_path) as (files, storage, cache, srv, ours):
+        read = {i: storage.read_stamped(str(files[i])) for i in (1, 2)}
+        edit(files[1])  # between the sender's read and the admission
+        with contextlib.closing(_client(srv.address, storage_id=ours)) as conn:
+            assert conn.shared
+            outcomes = []
+            for i in (1, 2):
+                wire.send_keep(conn, i, *read[i])
+                outcomes.append(wire.read_kept(conn, i, time.monotonic() + 2))
+            assert outcomes == [wire.DECLINED, wire.STORED]
+            assert cache.get(1) is None
+            assert cache.get(2) == read[2][0] and cache.stamp(2) == read[2][1]
+            wire.send_request(conn, [1, 2])
+            assert list(wire.read_reply(conn, [1, 2], time.monotonic() + 2)) == [(1, None, None),
+                                                                                 (2, read[2][0], read[2][1])]
+
+
+def test_a_server_serves_an_item_with_its_stored_stamp_and_not_once_its_file_has_another(tmp_path):
+    """A reply carries the stamp the server's copy was stored with, to a client that reads the same files
+    (None to one with its own copy: its stamps do not compare); once the file has another stamp the server
+    serves that item to no one."""
+    with _cache_server(tmp_path) as (files, storage, cache, srv, ours):
+        stamps = {}
+        for i in (0, 1):
+            data, stamps[i] = storage.read_stamped(str(files[i]))
+            assert cache.put(i, data, stamps[i])
+        edit(files[1])
+        for theirs, stamp in ((ours, stamps[0]), (b"own copy".ljust(wire.STORAGE_ID_BYTES), None)):
+            with contextlib.closing(_client(srv.address, storage_id=theirs)) as conn:
+                wire.send_request(conn, [0, 1])
+                assert list(wire.read_reply(conn, [0, 1], time.monotonic() + 2)) == [(0, _item(0), stamp),
+                                                                                     (1, None, None)]
+
+
 def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_it_cannot_vouch_for(tmp_path):
     """``CacheKeeper``: the bytes go in the cache with the stamp of this server's file, as its own read would
-    put them; a file it lacks or holds in another length, an item it holds, and a full cache are refused,
-    from the header alone (before any byte is read)."""
+    put them; a hand-off whose stamp compares here (the sender reads the same files) only if it is that
+    stamp. A file it lacks or holds in another length or version, an item it holds, and a full cache are
+    refused, from the header alone (before any byte is read)."""
     files = [tmp_path / f"f{i}" for i in range(4)]
     for i, f in enumerate(files):
         f.write_bytes(_item(i))
@@ -216,16 +415,20 @@ def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_i
     with MinIOCache(cache_segment_name(f"keep-{time.monotonic_ns()}"), n_items=4, capacity_bytes=capacity,
                     fingerprint=bytes(32)) as cache:
         keeper = CacheKeeper(cache, Source(), storage)
-        outcome, stamp = keeper.admit(0, len(_item(0)))
+        outcome, stamp = keeper.admit(0, len(_item(0)), None)  # from a server with its own copy
         assert outcome == wire.STORED
         assert keeper.keep(0, _item(0), stamp) == wire.STORED
         assert bytes(cache.get(0)) == _item(0) and cache.stamp(0) == storage.stamp(str(files[0]))
-        assert keeper.admit(0, len(_item(0)))[0] == wire.DECLINED  # held already
-        assert keeper.admit(1, len(_item(1)) + 4)[0] == wire.DECLINED  # this server's file is another version
+        assert keeper.admit(0, len(_item(0)), None)[0] == wire.DECLINED  # held already
+        assert keeper.admit(1, len(_item(1)) + 4, None)[0] == wire.DECLINED  # this server's file is another version
+        other = storage.stamp(str(files[1]))[:2] + (len(_item(1)) + 4,)
+        assert keeper.admit(1, len(_item(1)) + 4, other)[0] == wire.DECLINED  # so is the sender's read
+        ino, ctime, length = storage.stamp(str(files[1]))
+        assert keeper.admit(1, length, (ino, ctime + 1, length))[0] == wire.DECLINED  # same length, other version
         files[3].unlink()
-        assert keeper.admit(3, len(_item(3)))[0] == wire.DECLINED  # not on this server
-        outcome, stamp = keeper.admit(2, len(_item(2)))
-        assert outcome == wire.STORED and not cache.full
+        assert keeper.admit(3, len(_item(3)), None)[0] == wire.DECLINED  # not on this server
+        outcome, stamp = keeper.admit(2, len(_item(2)), storage.stamp(str(files[2])))  # the same files
+        assert outcome == wire.STORED and stamp == storage.stamp(str(files[2])) and not cache.full
         assert keeper.keep(2, _item(2), stamp) == wire.FULL  # does not fit: the cache freezes
         assert cache.full and cache.get(2) is None and cache.get(1) is None
-        assert keeper.admit(1, len(_item(1)))[0] == wire.FULL
+        assert keeper.admit(1, len(_item(1)), None)[0] == wire.FULL
