@@ -304,7 +304,8 @@ def test_a_server_that_stops_iterating_delays_one_epoch_start_by_the_exchange_li
     cluster = make_cluster(2)
     os.makedirs(out)
     cluster.launch_all(JOB, ["--root", root, "--out", out, "--epochs", "4", "--cache-bytes", sum(sizes),
-                             "--idle-after", "1:1"], env={"COORDL_LOG_LEVEL": "INFO", "COORDL_PEER_EXCHANGE_S": "3"})
+                             "--idle-after", "1:1"], env={"COORDL_LOG_LEVEL": "INFO", "COORDL_PEER_EXCHANGE_S": "3",
+                                                          "COORDL_PEER_SECRET": SECRET})
     server0, server1 = _results(cluster, out, 1)
     shard = _ShardOf(len(crcs))
     for epoch in (1, 2, 3, 4):
