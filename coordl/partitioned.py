@@ -267,6 +267,14 @@ def job_secret(topology: Topology) -> bytes:
     return bytes(secret.cpu().numpy())
 
 
+def loader_binding(store, prefix: str) -> bytes:
+    """This loader's binding in the peers' handshakes (NOTE [ Security ]): a digest of its store ``prefix``
+    and of the nonce under it in ``store`` (drawn here if no rank has yet)."""
+    drawn = secrets.token_hex(16)
+    nonce = bytes(store.compare_set("binding", "", drawn)).decode()
+    return hashlib.blake2b(f"{prefix}\0{nonce}".encode(), digest_size=wire.BINDING_BYTES).digest()
+
+
 def _secret_from_file(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -421,6 +429,7 @@ class PeerTier:
         self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
         self._store = _store(topology, self.prefix)
         self.secret = job_secret(topology)
+        self.binding = loader_binding(self._store, self.prefix)
         self.storage_id = peer_server.storage_id(storage, source.raw_key(0) if self.n_items else None)
         self._cache, self._server = cache, None
         self._maps_known = 0  # the last epoch begun
@@ -433,7 +442,8 @@ class PeerTier:
         self._refused: set[int] = set()  # servers this process's sender stopped handing off to
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
-            self._server = _start_server(cache, source, storage, self.secret, topology, sum(_loaders_built.values()) - 1)
+            self._server = _start_server(cache, source, storage, self.secret, self.binding, topology,
+                                         sum(_loaders_built.values()) - 1)
             host, port = self._server.address
             self.state.set_address(topology.node, f"{host}:{port}")  # checks that it fits, here where it is made
             self._store.set(f"addr/{topology.node}", f"{host}:{port}")
@@ -681,7 +691,8 @@ class PeerTier:
             conn = socket.create_connection(address, timeout=self.timeout_s)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                channel = wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s, self.storage_id)
+                channel = wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s, self.storage_id,
+                                                self.binding)
             except BaseException:
                 conn.close()
                 raise
@@ -871,10 +882,11 @@ class PendingFetch:
 class _ServerProcess:
     """This node's peer server (``peer_server.serve``), a child forked as torch forks DataLoader workers."""
 
-    def __init__(self, cache, source, storage, secret: bytes, host: str, port: int):
+    def __init__(self, cache, source, storage, secret: bytes, binding: bytes, host: str, port: int):
         ctx = multiprocessing.get_context("fork")
         self.control, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_server.serve, args=(cache, source, storage, secret, host, port, theirs),
+        self.proc = ctx.Process(target=peer_server.serve,
+                                args=(cache, source, storage, secret, binding, host, port, theirs),
                                 name="coordl-peer-server", daemon=True)
         self.proc.start()
         theirs.close()
@@ -900,13 +912,14 @@ class _ServerProcess:
         self.control.close()
 
 
-def _start_server(cache, source, storage, secret: bytes, topology: Topology, ordinal: int) -> _ServerProcess:
+def _start_server(cache, source, storage, secret: bytes, binding: bytes, topology: Topology,
+                  ordinal: int) -> _ServerProcess:
     host = _local_address(topology)
     port = _whole(os.environ, PORT_ENV, 0, 65535, default=0) if os.environ.get(PORT_ENV) else 0
     if port and port + ordinal > 65535:
         raise ValueError(f"{PORT_ENV}={port}: this process's partitioned loader {ordinal + 1} of the dataset would "
                          f"serve at port {port + ordinal}, past 65535")
-    server = _ServerProcess(cache, source, storage, secret, host, port + ordinal if port else 0)
+    server = _ServerProcess(cache, source, storage, secret, binding, host, port + ordinal if port else 0)
     logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
                 topology.nodes, *server.address)
     return server

@@ -32,12 +32,13 @@ class PeerServer:
     """Serves ``lookup(index) -> (bytes-like, stamp or None) | None`` for ids in ``range(n_items)`` to clients
     that know ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes
     their hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one), saying ``storage_id``
-    (see :func:`storage_id`)."""
+    (see :func:`storage_id`) and ``binding`` (the job's loader it serves: ``_peer_wire`` NOTE [ Peer wire ])."""
 
     def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
-                 storage_id: bytes = wire.NO_STORAGE, frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
+                 storage_id: bytes = wire.NO_STORAGE, binding: bytes = wire.NO_BINDING, frame_s: float = FRAME_S,
+                 max_clients: int = MAX_CLIENTS):
         self.lookup, self.n_items, self.secret, self.keeper = lookup, n_items, secret, keeper
-        self.storage_id = storage_id
+        self.storage_id, self.binding = storage_id, binding
         self.frame_s, self.max_clients = frame_s, max_clients
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          backlog=128)
@@ -66,7 +67,8 @@ class PeerServer:
     def _serve_client(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S, self.storage_id)
+            channel = wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S, self.storage_id,
+                                           self.binding)
             while True:
                 request = wire.read_request(channel, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
                 if request is None:
@@ -165,13 +167,15 @@ class CacheKeeper:
         return wire.FULL if self.cache.full else wire.DECLINED
 
 
-def serve(cache, source, storage, secret: bytes, host: str, port: int, control) -> None:
-    """The server process: serve ``cache`` on ``host:port`` and keep what peers hand it, send ``("port", n)``
-    on the ``control`` pipe once listening, and exit when the pipe says stop or closes, or the parent dies."""
+def serve(cache, source, storage, secret: bytes, binding: bytes, host: str, port: int, control) -> None:
+    """The server process: serve ``cache`` on ``host:port`` to the clients of ``binding`` and keep what they
+    hand it, send ``("port", n)`` on the ``control`` pipe once listening, and exit when the pipe says stop or
+    closes, or the parent dies."""
     try:
         server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
                             keeper=CacheKeeper(cache, source, storage),
-                            storage_id=storage_id(storage, source.raw_key(0) if cache.n_items else None)).start()
+                            storage_id=storage_id(storage, source.raw_key(0) if cache.n_items else None),
+                            binding=binding).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return

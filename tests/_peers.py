@@ -8,8 +8,8 @@ import threading
 
 from coordl import _peer_wire as wire
 
-_GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES
-_ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES
+_GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES
+_ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES
 _PROOF = wire.NONCE_BYTES
 
 

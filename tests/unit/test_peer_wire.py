@@ -55,9 +55,9 @@ def server():
     srv.close()
 
 
-def _client(address, secret=SECRET, storage_id=wire.NO_STORAGE) -> wire.Channel:
+def _client(address, secret=SECRET, storage_id=wire.NO_STORAGE, binding=wire.NO_BINDING) -> wire.Channel:
     conn = socket.create_connection(address, timeout=2)
-    return wire.client_handshake(conn, secret, time.monotonic() + 2, storage_id)
+    return wire.client_handshake(conn, secret, time.monotonic() + 2, storage_id, binding)
 
 
 def _fetch(channel, ids):
@@ -105,6 +105,55 @@ def test_a_client_refuses_a_server_that_does_not_know_the_secret():
         conn.close()
     finally:
         impostor.close()
+
+
+JOB_A, JOB_B = b"a" * wire.BINDING_BYTES, b"b" * wire.BINDING_BYTES
+
+
+def test_a_server_of_another_job_or_dataset_with_the_same_secret_is_refused_both_ways():
+    """Two jobs' servers share the secret (a site-wide one) but not the binding: a client of job A refuses job
+    B's server before it answers its greeting, and job B's server sends nothing to a client that answers with
+    job A's binding (a correct MAC over it included); each serves its own job's clients."""
+    looked_up = []
+
+    def lookup(i):
+        looked_up.append(i)
+        return _item(i), None
+    servers = {job: PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", binding=job).start() for job in (JOB_A, JOB_B)}
+    try:
+        conn = socket.create_connection(servers[JOB_B].address, timeout=2)
+        with pytest.raises(wire.PeerProtocolError, match="serves another job or dataset"):
+            wire.client_handshake(conn, SECRET, time.monotonic() + 2, binding=JOB_A)
+        conn.close()
+        conn = socket.create_connection(servers[JOB_B].address, timeout=2)  # ignores the greeting's binding
+        greeting = wire.recv_exact(conn, len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES
+                                   + wire.BINDING_BYTES)
+        mine = os.urandom(wire.NONCE_BYTES) + wire.NO_STORAGE + JOB_A
+        conn.sendall(wire._mac(SECRET, b"client", greeting[len(wire.HELLO):] + mine) + mine)
+        assert _closed_without_data(conn)
+        conn.close()
+        assert looked_up == []
+        for job, server in servers.items():
+            with contextlib.closing(_client(server.address, binding=job)) as channel:
+                assert _fetch(channel, [3]) == {3: _item(3)}
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def test_a_relay_that_gives_the_client_its_own_binding_gets_the_handshake_refused():
+    """A relay that puts the client's binding in another job's server's greeting: the client answers, and the
+    server, seeing another binding, sends it nothing."""
+    server = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1", binding=JOB_B).start()
+    relay = Relay(server.address, forge_greeting=lambda greeting: greeting[:-wire.BINDING_BYTES] + JOB_A)
+    try:
+        conn = socket.create_connection(relay.address, timeout=2)
+        with pytest.raises(ConnectionError):
+            wire.client_handshake(conn, SECRET, time.monotonic() + 2, binding=JOB_A)
+        conn.close()
+    finally:
+        relay.close()
+        server.close()
 
 
 def _handshake(server_storage: bytes, client_storage: bytes) -> tuple[wire.Channel, wire.Channel]:
@@ -198,9 +247,11 @@ def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
     with contextlib.closing(_client(server.address)) as bystander:  # a good client connected all along
         for _ in range(20):  # junk instead of the handshake's answer: the greeting is all it gets
             conn = socket.create_connection(server.address, timeout=2)
-            greeting = wire.recv_exact(conn, len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES)
+            greeting = wire.recv_exact(conn, len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES
+                                       + wire.BINDING_BYTES)
             assert greeting[:len(wire.HELLO)] == wire.HELLO
-            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES, 300)))
+            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES,
+                                                     300)))
             assert _closed_without_data(conn)
             conn.close()
         assert server.looked_up == []
@@ -278,7 +329,8 @@ def test_a_relay_that_alters_the_storage_id_in_the_greeting_fails_the_handshake(
     """Stamps compare only where both sides' storage ids match: a relay that put the client's id in the server's
     greeting would make the client take the server's stamps for its own; the handshake covers the ids."""
     ours = b"s" * wire.STORAGE_ID_BYTES
-    forger = relay(forge_greeting=lambda greeting: greeting[:-wire.STORAGE_ID_BYTES] + ours)
+    at = len(wire.HELLO) + wire.NONCE_BYTES  # where the server's storage id is
+    forger = relay(forge_greeting=lambda greeting: greeting[:at] + ours + greeting[at + wire.STORAGE_ID_BYTES:])
     conn = socket.create_connection(forger.address, timeout=2)
     with pytest.raises((wire.PeerProtocolError, ConnectionError)):
         wire.client_handshake(conn, SECRET, time.monotonic() + 2, ours)
