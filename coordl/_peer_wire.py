@@ -32,7 +32,8 @@ Then the client sends requests and the server answers each in order:
            length, inode and ctime ns of the stored stamp) + the bytes (``length`` of them when status is
            ``FOUND``, none when ``ABSENT``) + tag
 A request holds at most ``MAX_IDS`` ids; an item is at most ``MAX_ITEM_BYTES``. The client checks that
-each reply item names the id it asked for, in order, and its tag, before it uses a byte.
+each reply item names the id it asked for, in order, and its tag, before it uses a byte, and reads the
+reply by a deadline that each item's header moves on by its length at ``MIN_RATE``.
 
 A client may also hand the server an item to keep (see ``partitioned`` NOTE [ Hand-off ]):
   keep     ``!4sI`` (``KEEP`` magic, id) + ``!IQq`` (length, inode and ctime ns of the stamp of the read
@@ -90,7 +91,8 @@ _SENDS = {True: b"c>s", False: b"s>c"}  # by whether the sender is the client
 _SEND_CHUNK = 1 << 20
 _SKIP_CHUNK = 1 << 16
 MIN_RATE = 10**7
-"""Bytes per second a client must at least keep up within a frame's body (on top of ``frame_s``)."""
+"""Bytes per second a hand-off's bytes (on top of the server's ``frame_s``) and a reply's items (on top of
+the client's deadline) must at least arrive at."""
 
 Handoff = collections.namedtuple("Handoff", "index length stamp mac")
 """A hand-off's header: its ``stamp`` (None where the two sides' stamps do not compare) and the ``mac`` of
@@ -149,19 +151,25 @@ def _channel(sock: socket.socket, secret: bytes, transcript: bytes, ours: bytes,
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """``n`` bytes from ``sock``, or ``ConnectionError``/``TimeoutError``; ``deadline`` is a
-    ``time.monotonic()`` by which they must have arrived (None: the socket's own timeout)."""
+    ``time.monotonic()`` by which they must have arrived (None: the socket's own timeout, which a deadline
+    leaves as it found it)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
-    while got < n:
+    timeout = sock.gettimeout() if deadline is not None else None
+    try:
+        while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out after {got} of {n} bytes")
+                sock.settimeout(left)
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
         if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"timed out after {got} of {n} bytes")
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
+            sock.settimeout(timeout)
     return bytes(buf)
 
 
@@ -302,7 +310,8 @@ def send_reply(channel: Channel, items: list[tuple[int, tuple | None]]) -> None:
 def read_reply(channel: Channel, ids: list[int], deadline: float | None):
     """Yield (id, bytes or None, stamp) for each of ``ids`` as its reply arrives, checked (id, length, tag);
     the stamp is the server's (None where stamps do not compare: see NOTE [ Peer wire ]). Raises
-    ``PeerProtocolError`` on anything else, ``TimeoutError`` past ``deadline``."""
+    ``PeerProtocolError`` on anything else, ``TimeoutError`` past ``deadline``, which each item's header
+    moves on by its length at ``MIN_RATE``."""
     sock = channel.sock
     magic, count = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
     if magic != REPLY or count != len(ids):
@@ -313,6 +322,8 @@ def read_reply(channel: Channel, ids: list[int], deadline: float | None):
         if index != expected or status not in (FOUND, ABSENT) or length > MAX_ITEM_BYTES or (status == ABSENT
                                                                                              and length):
             raise PeerProtocolError(f"bad reply item (id {index}, status {status}, {length} bytes) for id {expected}")
+        if deadline is not None:
+            deadline += length / MIN_RATE
         data = recv_exact(sock, length, deadline)
         channel.check(channel.receiving(header, data), deadline, f"item {index}")
         yield (index, None, None) if status == ABSENT else (index, data, _stamp(channel, inode, ctime, length))

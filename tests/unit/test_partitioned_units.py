@@ -5,6 +5,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from coordl import _peer_wire as wire
-from coordl import partitioned
+from coordl import partitioned, peer_server
 from coordl.minio_cache import MinIOCache, cache_segment_name
 from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
 from coordl.peer_server import CacheKeeper, PeerServer, cache_lookup, storage_id
@@ -159,7 +160,7 @@ def test_a_peer_port_that_cannot_be_served_at_is_named(monkeypatch, value, why):
     monkeypatch.setenv(partitioned.PORT_ENV, value)
     topology = Topology.from_env(TORCHRUN)
     with pytest.raises(ValueError, match=why):
-        partitioned._start_server(None, None, None, b"", wire.NO_BINDING, topology, ordinal=1)
+        partitioned._start_server(None, None, None, b"", wire.NO_BINDING, (1, 1), topology, ordinal=1)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
@@ -526,6 +527,59 @@ def test_another_jobs_server_at_a_peers_address_is_marked_down_and_nothing_of_it
                                                                                              for i in range(3)]
     finally:
         impostor.close()
+
+
+def test_a_connection_the_peer_dropped_as_idle_is_reopened_and_costs_no_peer_hit(tmp_path, monkeypatch):
+    """``peer_server`` NOTE [ Peer server limits ]: server 1 drops this process's kept connection once idle; the
+    next batch reopens it. Then server 1 drops it just as a request arrives (the server reads it and closes,
+    as an idle deadline passing then would): the request goes again on a new connection. Every item comes
+    from the peer, which is never marked down."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    served = {i: (raw, None) for i, raw in enumerate(files.read())}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1", idle_s=0.2).start()
+    read_request, requests, dropped = peer_server.wire.read_request, {}, []
+
+    def drop_a_kept_connection(channel, *args):  # its second request, once: read, then dropped unanswered
+        request = read_request(channel, *args)
+        requests[id(channel)] = requests.get(id(channel), 0) + 1
+        if requests[id(channel)] == 2 and not dropped:
+            dropped.append(channel)
+            return None
+        return request
+    try:
+        with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            kept = dataset.peers._connections()[1].sock
+            assert select.select([kept], [], [], 5)[0]  # server 1 closed it (idle)
+            peer.idle_s = 60.0  # from now on connections are dropped by the hook only
+            monkeypatch.setattr(peer_server.wire, "read_request", drop_a_kept_connection)
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert dropped and counters.totals()["peer_hits"] == 9 and dataset.peers.state.down[1] == 0
+    finally:
+        peer.close()
+
+
+def test_a_slow_but_live_link_costs_a_bounded_wait(tmp_path, monkeypatch):
+    """A relay passes server 1's replies on a byte every 20 ms (never silent for the 0.5 s timeout): the
+    whole reply is due within the timeout plus its bytes at ``wire.MIN_RATE``, so the batch waits about
+    0.5 s, not the 9 s the reply would take, and its items come from storage."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    served = {i: (raw, None) for i, raw in enumerate(files.read())}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1").start()
+    relay = Relay(peer.address, trickle_s=0.02)
+    monkeypatch.setenv(partitioned.TIMEOUT_ENV, "0.5")
+    try:
+        with _server_0(monkeypatch, files, storage, peer, relay.address) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            started = time.monotonic()
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert time.monotonic() - started < 2.0
+            assert counters.totals()["peer_hits"] == 0 and dataset.peers.state.down[1] == 1
+    finally:
+        relay.close()
+        peer.close()
 
 
 class _PeersThatStopIterating:
