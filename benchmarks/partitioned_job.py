@@ -6,8 +6,8 @@ epoch, every index it was given with a crc32 of the bytes it was decoded from (`
 ImageFolder through the DALI backend, batches only), the longest wait for a batch, the loader's
 statistics and a digest of its ownership map, in ``OUT/rank<RANK>.json``. ``--pause EPOCH:BATCH`` stops
 the rank (``EPOCH:BATCH:NODE``: server NODE's ranks only) after that many batches of that epoch, writes
-``OUT/paused-rank<RANK>`` (the items its server's cache holds, and on local rank 0 the pid and address of
-the node's peer server), and waits for ``OUT/go`` (so a test can kill a peer, or hide files, at a known
+``OUT/paused-rank<RANK>`` (the items its server's cache holds, and on local rank 0 the pid, address and handshake binding
+of the node's peer server), and waits for ``OUT/go`` (so a test can kill a peer, or hide files, at a known
 point; the pause is not counted in the epoch's time). ``--sync`` all-reduces after every step
 as DDP does, ``--step-s`` sleeps for a training step, ``--device MAJ:MIN`` records the bytes this rank's
 cgroup read from that device per epoch, ``--warm-all`` first reads the whole dataset into this server's
@@ -146,7 +146,8 @@ def main() -> None:
                 cache = loader.dataset.cache
                 paused = {"cached": [int(i) for i in cache.ready_mask().nonzero()[0]] if cache is not None else []}
                 if server is not None:
-                    paused.update(server_pid=server.proc.pid, address=list(server.address))
+                    paused.update(server_pid=server.proc.pid, address=list(server.address),
+                                  binding=peers.binding.hex())
                 with open(os.path.join(args.out, f"paused-rank{rank}"), "w") as f:
                     json.dump(paused, f)
                 while not os.path.exists(os.path.join(args.out, "go")):

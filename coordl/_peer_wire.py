@@ -3,14 +3,21 @@ after it. No pickles.
 
 NOTE [ Peer wire ]
 Every connection starts with a mutual challenge-response over the job's secret:
-  server -> client  ``HELLO`` magic (8 bytes) + server nonce (32) + server's storage id (16)
+  server -> client  ``HELLO`` magic (8 bytes) + server nonce (32) + server's storage id (16) + binding (16)
   client -> server  HMAC-SHA256(secret, "client" + T) (32) + client nonce (32) + client's storage id (16)
+                    + binding (16)
   server -> client  HMAC-SHA256(secret, "server" + T) (32)
-where T is the transcript: server nonce + server's storage id + client nonce + client's storage id. Both
-sides compare digests with ``hmac.compare_digest``; a wrong one closes the connection, so neither side
-sends or accepts a byte of data to or from anyone who does not know the secret. Both then hold the
-connection's session key, HMAC-SHA256(secret, "session" + T), which no one without the secret can derive
-(a relay that passes the handshake through included).
+where T is the transcript: server nonce + server's storage id + server's binding + client nonce + client's
+storage id + client's binding. Both sides compare digests with ``hmac.compare_digest``; a wrong one closes
+the connection, so neither side sends or accepts a byte of data to or from anyone who does not know the
+secret. Both then hold the connection's session key, HMAC-SHA256(secret, "session" + T), which no one
+without the secret can derive (a relay that passes the handshake through included).
+
+A binding names "this loader of this job over this dataset", the same on every rank and server of the job
+(``partitioned`` NOTE [ Security ]). A side refuses one that is not its own before it answers (the client
+sends nothing after a greeting with another binding, the server nothing after such an answer): so a job
+whose servers share a secret with another job's, one of which took over a dead server's address and port,
+never takes a byte from it. Bindings are not secret; the MACs cover them, so a relay cannot change them.
 
 A storage id names the files a side reads: the peer tier's is a digest of its stamp (``storage.Stamp``)
 of the dataset's first file as it starts, zeros for a storage that stamps nothing. A stamp names a version
@@ -25,7 +32,8 @@ Then the client sends requests and the server answers each in order:
            length, inode and ctime ns of the stored stamp) + the bytes (``length`` of them when status is
            ``FOUND``, none when ``ABSENT``) + tag
 A request holds at most ``MAX_IDS`` ids; an item is at most ``MAX_ITEM_BYTES``. The client checks that
-each reply item names the id it asked for, in order, and its tag, before it uses a byte.
+each reply item names the id it asked for, in order, and its tag, before it uses a byte, and reads the
+reply by a deadline that each item's header moves on by its length at ``MIN_RATE``.
 
 A client may also hand the server an item to keep (see ``partitioned`` NOTE [ Hand-off ]):
   keep     ``!4sI`` (``KEEP`` magic, id) + ``!IQq`` (length, inode and ctime ns of the stamp of the read
@@ -53,7 +61,7 @@ import socket
 import struct
 import time
 
-HELLO = b"CDLPEER2"
+HELLO = b"CDLPEER3"
 REQUEST = b"CDLQ"
 REPLY = b"CDLR"
 KEEP = b"CDLK"
@@ -62,6 +70,9 @@ NONCE_BYTES = 32
 STORAGE_ID_BYTES = 16
 NO_STORAGE = bytes(STORAGE_ID_BYTES)
 """The storage id of a side whose stamps compare with no one's."""
+BINDING_BYTES = 16
+NO_BINDING = bytes(BINDING_BYTES)
+"""The binding of a side that names no job (a server or client outside a partitioned job)."""
 TAG_BYTES = 16
 FOUND, ABSENT = 0, 1
 STORED, FULL, DECLINED = 0, 1, 2
@@ -80,7 +91,8 @@ _SENDS = {True: b"c>s", False: b"s>c"}  # by whether the sender is the client
 _SEND_CHUNK = 1 << 20
 _SKIP_CHUNK = 1 << 16
 MIN_RATE = 10**7
-"""Bytes per second a client must at least keep up within a frame's body (on top of ``frame_s``)."""
+"""Bytes per second a hand-off's bytes (on top of the server's ``frame_s``) and a reply's items (on top of
+the client's deadline) must at least arrive at."""
 
 Handoff = collections.namedtuple("Handoff", "index length stamp mac")
 """A hand-off's header: its ``stamp`` (None where the two sides' stamps do not compare) and the ``mac`` of
@@ -139,49 +151,61 @@ def _channel(sock: socket.socket, secret: bytes, transcript: bytes, ours: bytes,
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """``n`` bytes from ``sock``, or ``ConnectionError``/``TimeoutError``; ``deadline`` is a
-    ``time.monotonic()`` by which they must have arrived (None: the socket's own timeout)."""
+    ``time.monotonic()`` by which they must have arrived (None: the socket's own timeout, which a deadline
+    leaves as it found it)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
-    while got < n:
+    timeout = sock.gettimeout() if deadline is not None else None
+    try:
+        while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out after {got} of {n} bytes")
+                sock.settimeout(left)
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
         if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"timed out after {got} of {n} bytes")
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
+            sock.settimeout(timeout)
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, deadline: float,
-                     storage_id: bytes = NO_STORAGE) -> Channel:
-    """Authenticate a client that connected (see NOTE [ Peer wire ]; ``storage_id``: this side's); raises
-    ``PeerProtocolError``."""
+def server_handshake(sock: socket.socket, secret: bytes, deadline: float, storage_id: bytes = NO_STORAGE,
+                     binding: bytes = NO_BINDING) -> Channel:
+    """Authenticate a client that connected (see NOTE [ Peer wire ]; ``storage_id`` and ``binding``: this
+    side's); raises ``PeerProtocolError``, also for a client of another job or dataset."""
     nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(HELLO + nonce + storage_id)
-    answer = recv_exact(sock, _MAC_BYTES + NONCE_BYTES + STORAGE_ID_BYTES, deadline)
-    transcript = nonce + storage_id + answer[_MAC_BYTES:]
+    sock.sendall(HELLO + nonce + storage_id + binding)
+    answer = recv_exact(sock, _MAC_BYTES + NONCE_BYTES + STORAGE_ID_BYTES + BINDING_BYTES, deadline)
+    if answer[-BINDING_BYTES:] != binding:
+        raise PeerProtocolError("the client is of another job or dataset (its handshake has another binding)")
+    transcript = nonce + storage_id + binding + answer[_MAC_BYTES:]
     if not hmac.compare_digest(answer[:_MAC_BYTES], _mac(secret, b"client", transcript)):
         raise PeerProtocolError("client failed the handshake (wrong secret)")
     sock.sendall(_mac(secret, b"server", transcript))
-    return _channel(sock, secret, transcript, storage_id, answer[-STORAGE_ID_BYTES:], client=False)
+    theirs = answer[-STORAGE_ID_BYTES - BINDING_BYTES:-BINDING_BYTES]
+    return _channel(sock, secret, transcript, storage_id, theirs, client=False)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, deadline: float,
-                     storage_id: bytes = NO_STORAGE) -> Channel:
-    """Authenticate to a server and check that it knows the secret too (``storage_id``: this side's); raises
-    ``PeerProtocolError``."""
-    hello = recv_exact(sock, len(HELLO) + NONCE_BYTES + STORAGE_ID_BYTES, deadline)
+def client_handshake(sock: socket.socket, secret: bytes, deadline: float, storage_id: bytes = NO_STORAGE,
+                     binding: bytes = NO_BINDING) -> Channel:
+    """Authenticate to a server and check that it knows the secret too and serves this ``binding`` (see NOTE
+    [ Peer wire ]; ``storage_id``: this side's); raises ``PeerProtocolError``."""
+    hello = recv_exact(sock, len(HELLO) + NONCE_BYTES + STORAGE_ID_BYTES + BINDING_BYTES, deadline)
     if hello[:len(HELLO)] != HELLO:
         raise PeerProtocolError("not a coordl peer server of this version (bad greeting)")
-    mine = secrets.token_bytes(NONCE_BYTES) + storage_id
+    if hello[-BINDING_BYTES:] != binding:
+        raise PeerProtocolError("the server serves another job or dataset (its handshake has another binding)")
+    mine = secrets.token_bytes(NONCE_BYTES) + storage_id + binding
     transcript = hello[len(HELLO):] + mine
     sock.sendall(_mac(secret, b"client", transcript) + mine)
     if not hmac.compare_digest(recv_exact(sock, _MAC_BYTES, deadline), _mac(secret, b"server", transcript)):
         raise PeerProtocolError("server failed the handshake (wrong secret)")
-    return _channel(sock, secret, transcript, storage_id, hello[-STORAGE_ID_BYTES:], client=True)
+    theirs = hello[-STORAGE_ID_BYTES - BINDING_BYTES:-BINDING_BYTES]
+    return _channel(sock, secret, transcript, storage_id, theirs, client=True)
 
 
 def send_request(channel: Channel, ids) -> None:
@@ -286,7 +310,8 @@ def send_reply(channel: Channel, items: list[tuple[int, tuple | None]]) -> None:
 def read_reply(channel: Channel, ids: list[int], deadline: float | None):
     """Yield (id, bytes or None, stamp) for each of ``ids`` as its reply arrives, checked (id, length, tag);
     the stamp is the server's (None where stamps do not compare: see NOTE [ Peer wire ]). Raises
-    ``PeerProtocolError`` on anything else, ``TimeoutError`` past ``deadline``."""
+    ``PeerProtocolError`` on anything else, ``TimeoutError`` past ``deadline``, which each item's header
+    moves on by its length at ``MIN_RATE``."""
     sock = channel.sock
     magic, count = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
     if magic != REPLY or count != len(ids):
@@ -297,6 +322,8 @@ def read_reply(channel: Channel, ids: list[int], deadline: float | None):
         if index != expected or status not in (FOUND, ABSENT) or length > MAX_ITEM_BYTES or (status == ABSENT
                                                                                              and length):
             raise PeerProtocolError(f"bad reply item (id {index}, status {status}, {length} bytes) for id {expected}")
+        if deadline is not None:
+            deadline += length / MIN_RATE
         data = recv_exact(sock, length, deadline)
         channel.check(channel.receiving(header, data), deadline, f"item {index}")
         yield (index, None, None) if status == ABSENT else (index, data, _stamp(channel, inode, ctime, length))

@@ -29,8 +29,11 @@ In a worker, ``CachedDataset`` looks up a minibatch in the local cache, then sen
 owning peer for the batch's remaining misses (all sent before any reply is read), reads the misses no
 peer holds from storage meanwhile, then collects the replies, and reads from storage whatever a peer
 did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight, so requests for
-later batches of the plan are out while the training loop consumes earlier ones. A peer that refuses
-the connection, breaks the protocol or sends nothing for ``COORDL_PEER_TIMEOUT_S`` (default 1 s) is
+later batches of the plan are out while the training loop consumes earlier ones. Each thread keeps its
+connection to a peer between batches; one the peer closed meanwhile (idle, ``peer_server`` NOTE [ Peer
+server limits ]) is reopened, also one closed as the requests went out (they go again, once, before any
+reply). A peer that refuses the connection, breaks the protocol, or does not deliver a whole reply
+within ``COORDL_PEER_TIMEOUT_S`` (default 1 s) plus its bytes at ``wire.MIN_RATE`` (a slow link) is
 marked down for the rest of the epoch in shared memory (so the rank's other workers skip it at
 once), logged once, and its items come from storage; every epoch start tries it again. A delivered
 item whose stamp is not this server's file's (where the peer reads the same storage) comes from
@@ -93,6 +96,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -267,6 +271,14 @@ def job_secret(topology: Topology) -> bytes:
     return bytes(secret.cpu().numpy())
 
 
+def loader_binding(store, prefix: str) -> bytes:
+    """This loader's binding in the peers' handshakes (NOTE [ Security ]): a digest of its store ``prefix``
+    and of the nonce under it in ``store`` (drawn here if no rank has yet)."""
+    drawn = secrets.token_hex(16)
+    nonce = bytes(store.compare_set("binding", "", drawn)).decode()
+    return hashlib.blake2b(f"{prefix}\0{nonce}".encode(), digest_size=wire.BINDING_BYTES).digest()
+
+
 def _secret_from_file(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -421,6 +433,7 @@ class PeerTier:
         self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
         self._store = _store(topology, self.prefix)
         self.secret = job_secret(topology)
+        self.binding = loader_binding(self._store, self.prefix)
         self.storage_id = peer_server.storage_id(storage, source.raw_key(0) if self.n_items else None)
         self._cache, self._server = cache, None
         self._maps_known = 0  # the last epoch begun
@@ -433,7 +446,9 @@ class PeerTier:
         self._refused: set[int] = set()  # servers this process's sender stopped handing off to
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
-            self._server = _start_server(cache, source, storage, self.secret, topology, sum(_loaders_built.values()) - 1)
+            limits = peer_server.job_limits(topology.nodes, topology.local_world, processes)
+            self._server = _start_server(cache, source, storage, self.secret, self.binding, limits, topology,
+                                         sum(_loaders_built.values()) - 1)
             host, port = self._server.address
             self.state.set_address(topology.node, f"{host}:{port}")  # checks that it fits, here where it is made
             self._store.set(f"addr/{topology.node}", f"{host}:{port}")
@@ -581,15 +596,23 @@ class PeerTier:
                 by_node.setdefault(node, []).append(i)
         for node, ids in by_node.items():
             try:
-                channel = self._connection(node)
-                for start in range(0, len(ids), wire.MAX_IDS):
-                    wire.send_request(channel, ids[start:start + wire.MAX_IDS])
+                if self._send_requests(node, ids):
+                    pending.kept.add(node)
             except (OSError, wire.PeerProtocolError) as e:
                 self._mark_down(node, e)
                 continue
             pending.sent[node] = ids
             pending.asked.update(ids)
         return pending
+
+    def _send_requests(self, node: int, ids: list[int]) -> bool:
+        """Ask ``node`` for ``ids``; whether on a connection kept from before (one the server may have closed
+        as the requests went out: see :meth:`PendingFetch.collect`)."""
+        kept = self._connections().get(node)
+        channel = self._connection(node)
+        for start in range(0, len(ids), wire.MAX_IDS):
+            wire.send_request(channel, ids[start:start + wire.MAX_IDS])
+        return channel is kept
 
     def held_elsewhere(self, index: int) -> bool:
         """Whether this epoch's map says another server caches ``index`` (its copy is there even when it
@@ -672,8 +695,13 @@ class PeerTier:
             return local.conns
 
     def _connection(self, node: int) -> wire.Channel:
+        """This thread's connection to ``node``: the one it keeps, unless the server closed it meanwhile (idle:
+        ``peer_server`` NOTE [ Peer server limits ]), else a new one."""
         conns = self._connections()
         channel = conns.get(node)
+        if channel is not None and select.select([channel.sock], [], [], 0)[0]:  # between replies: closed
+            self._close_connection(node)
+            channel = None
         if channel is None:
             address = self.state.address(node)
             if address is None:
@@ -681,7 +709,8 @@ class PeerTier:
             conn = socket.create_connection(address, timeout=self.timeout_s)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                channel = wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s, self.storage_id)
+                channel = wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s, self.storage_id,
+                                                self.binding)
             except BaseException:
                 conn.close()
                 raise
@@ -834,26 +863,44 @@ class PendingFetch:
 
     def __init__(self, tier: PeerTier):
         self.tier, self.sent, self.asked = tier, {}, set()
+        self.kept: set[int] = set()  # the servers asked on a connection kept from before
         self._started = time.monotonic_ns()
 
     def collect(self) -> dict[int, tuple]:
         """The items peers delivered, checked (see ``_peer_wire``), as (bytes, the stamp the peer's copy was
         stored with, or None where its stamps do not compare with this server's); an id missing here comes
-        from storage."""
+        from storage. A peer's whole reply must arrive within ``COORDL_PEER_TIMEOUT_S`` plus its bytes at
+        ``wire.MIN_RATE``; a kept connection found closed before any reply (the server dropped it as idle
+        while the requests went out) is reopened and the requests sent again, once."""
         got, tier = {}, self.tier
         row = tier.counters_row() if self.sent else None
         for node, ids in self.sent.items():
-            received = 0
-            try:
-                channel = tier._connections()[node]
-                for start in range(0, len(ids), wire.MAX_IDS):
-                    for index, data, stamp in wire.read_reply(channel, ids[start:start + wire.MAX_IDS], None):
-                        if data is not None:
-                            got[index] = data, stamp
-                            received += len(data)
-                            row[node, _ITEMS] += 1
-            except (OSError, KeyError, wire.PeerProtocolError) as e:
-                tier._mark_down(node, e)
+            received = items = 0
+            retry = node in self.kept
+            while True:
+                try:
+                    channel = tier._connections()[node]
+                    for start in range(0, len(ids), wire.MAX_IDS):
+                        deadline = time.monotonic() + tier.timeout_s
+                        for index, data, stamp in wire.read_reply(channel, ids[start:start + wire.MAX_IDS],
+                                                                  deadline):
+                            items += 1
+                            if data is not None:
+                                got[index] = data, stamp
+                                received += len(data)
+                                row[node, _ITEMS] += 1
+                except (OSError, KeyError, wire.PeerProtocolError) as e:
+                    closed = isinstance(e, ConnectionError) and not isinstance(e, wire.PeerProtocolError)
+                    if retry and closed and not items:
+                        retry = False
+                        try:
+                            tier._close_connection(node)
+                            tier._send_requests(node, ids)
+                            continue
+                        except (OSError, wire.PeerProtocolError) as again:
+                            e = again
+                    tier._mark_down(node, e)
+                break
             row[node, _BYTES] += received
             row[node, _REQUESTS] += 1
             row[node, _WAIT_NS] += time.monotonic_ns() - self._started
@@ -871,10 +918,12 @@ class PendingFetch:
 class _ServerProcess:
     """This node's peer server (``peer_server.serve``), a child forked as torch forks DataLoader workers."""
 
-    def __init__(self, cache, source, storage, secret: bytes, host: str, port: int):
+    def __init__(self, cache, source, storage, secret: bytes, binding: bytes, limits: tuple[int, int], host: str,
+                 port: int):
         ctx = multiprocessing.get_context("fork")
         self.control, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_server.serve, args=(cache, source, storage, secret, host, port, theirs),
+        self.proc = ctx.Process(target=peer_server.serve,
+                                args=(cache, source, storage, secret, binding, limits, host, port, theirs),
                                 name="coordl-peer-server", daemon=True)
         self.proc.start()
         theirs.close()
@@ -900,13 +949,14 @@ class _ServerProcess:
         self.control.close()
 
 
-def _start_server(cache, source, storage, secret: bytes, topology: Topology, ordinal: int) -> _ServerProcess:
+def _start_server(cache, source, storage, secret: bytes, binding: bytes, limits: tuple[int, int],
+                  topology: Topology, ordinal: int) -> _ServerProcess:
     host = _local_address(topology)
     port = _whole(os.environ, PORT_ENV, 0, 65535, default=0) if os.environ.get(PORT_ENV) else 0
     if port and port + ordinal > 65535:
         raise ValueError(f"{PORT_ENV}={port}: this process's partitioned loader {ordinal + 1} of the dataset would "
                          f"serve at port {port + ordinal}, past 65535")
-    server = _ServerProcess(cache, source, storage, secret, host, port + ordinal if port else 0)
+    server = _ServerProcess(cache, source, storage, secret, binding, limits, host, port + ordinal if port else 0)
     logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
                 topology.nodes, *server.address)
     return server

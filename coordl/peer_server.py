@@ -8,8 +8,18 @@ or dies (it polls its parent). See ``_peer_wire`` NOTE [ Peer wire ] for the pro
 Each client gets a thread. A client that fails the handshake, sends a malformed or oversized frame, a
 bad tag, an id out of range, or takes more than ``frame_s`` to send a frame it has begun is dropped; the
 server and its other clients go on.
+
+NOTE [ Peer server limits ]
+Connections that have not authenticated yet are held at most ``handshake_s`` (2 s: a peer answers the
+greeting in one round trip), at most ``pending_per_source`` of them per source address at once (a whole
+server's fetching threads connecting together) and ``max_clients`` in all: past a limit a new one is
+closed before the greeting. So silent connections from one address cannot keep out a peer at another.
+Authenticated clients, at most ``max_clients`` (sized from the job: :func:`job_limits`), are dropped
+after ``idle_s`` (30 s) between requests; a client reopens its connection when it finds it closed
+(``partitioned`` NOTE [ Peer read path ]), so a job's kept connections never pile up to the cap.
 """
 
+import collections
 import hashlib
 import logging
 import socket
@@ -22,27 +32,45 @@ from coordl.storage import is_current, stamper
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_S = 5.0
+HANDSHAKE_S = 2.0
 FRAME_S = 5.0
-IDLE_S = 3600.0
+IDLE_S = 30.0
 MAX_CLIENTS = 512
+"""Authenticated clients a server takes besides its job's own (:func:`job_limits`)."""
+PENDING_PER_SOURCE = 8
+"""Unauthenticated connections a server holds per source address besides a server's own (:func:`job_limits`)."""
+
+
+def job_limits(nodes: int, local_world: int, processes: int) -> tuple[int, int]:
+    """(``max_clients``, ``pending_per_source``) for a peer server of a job of ``nodes`` servers of
+    ``local_world`` ranks, each of ``processes`` processes (workers + 1): every other server's processes
+    with a fetching thread and a hand-off sender each, plus :data:`MAX_CLIENTS` (DALI's other fetch
+    threads, probes); and one server's, plus :data:`PENDING_PER_SOURCE` (NOTE [ Peer server limits ])."""
+    per_server = 2 * local_world * processes
+    return (nodes - 1) * per_server + MAX_CLIENTS, per_server + PENDING_PER_SOURCE
 
 
 class PeerServer:
     """Serves ``lookup(index) -> (bytes-like, stamp or None) | None`` for ids in ``range(n_items)`` to clients
     that know ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes
     their hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one), saying ``storage_id``
-    (see :func:`storage_id`)."""
+    (see :func:`storage_id`) and ``binding`` (the job's loader it serves: ``_peer_wire`` NOTE [ Peer wire ]);
+    the limits are NOTE [ Peer server limits ]'s."""
 
     def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
-                 storage_id: bytes = wire.NO_STORAGE, frame_s: float = FRAME_S, max_clients: int = MAX_CLIENTS):
+                 storage_id: bytes = wire.NO_STORAGE, binding: bytes = wire.NO_BINDING, frame_s: float = FRAME_S,
+                 handshake_s: float = HANDSHAKE_S, idle_s: float = IDLE_S, max_clients: int = MAX_CLIENTS,
+                 pending_per_source: int = PENDING_PER_SOURCE):
         self.lookup, self.n_items, self.secret, self.keeper = lookup, n_items, secret, keeper
-        self.storage_id = storage_id
-        self.frame_s, self.max_clients = frame_s, max_clients
+        self.storage_id, self.binding = storage_id, binding
+        self.frame_s, self.handshake_s, self.idle_s = frame_s, handshake_s, idle_s
+        self.max_clients, self.pending_per_source = max_clients, pending_per_source
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          backlog=128)
         self.address = self.sock.getsockname()[:2]
-        self._clients: set[socket.socket] = set()
+        self._clients: set[socket.socket] = set()  # every open connection
+        self._pending: collections.Counter = collections.Counter()  # unauthenticated ones, by source address
+        self._authenticated = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -53,22 +81,36 @@ class PeerServer:
     def serve_forever(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, source = self.sock.accept()
             except OSError:
                 return  # closed
             with self._lock:
-                if len(self._clients) >= self.max_clients or self._closed:
+                if (self._closed or self._pending[source[0]] >= self.pending_per_source
+                        or len(self._clients) - self._authenticated >= self.max_clients):
                     conn.close()
                     continue
+                self._pending[source[0]] += 1
                 self._clients.add(conn)
-            threading.Thread(target=self._serve_client, args=(conn,), name="coordl-peer-client", daemon=True).start()
+            threading.Thread(target=self._serve_client, args=(conn, source[0]), name="coordl-peer-client",
+                             daemon=True).start()
 
-    def _serve_client(self, conn: socket.socket) -> None:
+    def _serve_client(self, conn: socket.socket, source: str) -> None:
+        authenticated = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            channel = wire.server_handshake(conn, self.secret, time.monotonic() + HANDSHAKE_S, self.storage_id)
+            try:
+                channel = wire.server_handshake(conn, self.secret, time.monotonic() + self.handshake_s,
+                                                self.storage_id, self.binding)
+            finally:
+                with self._lock:
+                    self._unpend(source)
+            with self._lock:
+                if self._authenticated >= self.max_clients:
+                    raise ConnectionRefusedError(f"{self.max_clients} clients already")
+                self._authenticated += 1
+                authenticated = True
             while True:
-                request = wire.read_request(channel, self.n_items, time.monotonic() + IDLE_S, self.frame_s)
+                request = wire.read_request(channel, self.n_items, time.monotonic() + self.idle_s, self.frame_s)
                 if request is None:
                     return
                 if isinstance(request, wire.Handoff):
@@ -80,7 +122,13 @@ class PeerServer:
         finally:
             with self._lock:
                 self._clients.discard(conn)
+                self._authenticated -= authenticated
             conn.close()
+
+    def _unpend(self, source: str) -> None:
+        self._pending[source] -= 1
+        if not self._pending[source]:
+            del self._pending[source]
 
     def _take(self, channel: wire.Channel, handoff: wire.Handoff) -> None:
         """Answer a hand-off: its bytes are read only if the keeper would keep them, and kept only once
@@ -165,13 +213,16 @@ class CacheKeeper:
         return wire.FULL if self.cache.full else wire.DECLINED
 
 
-def serve(cache, source, storage, secret: bytes, host: str, port: int, control) -> None:
-    """The server process: serve ``cache`` on ``host:port`` and keep what peers hand it, send ``("port", n)``
-    on the ``control`` pipe once listening, and exit when the pipe says stop or closes, or the parent dies."""
+def serve(cache, source, storage, secret: bytes, binding: bytes, limits: tuple[int, int], host: str, port: int,
+          control) -> None:
+    """The server process: serve ``cache`` on ``host:port`` to the clients of ``binding`` (at most ``limits``:
+    :func:`job_limits`) and keep what they hand it, send ``("port", n)`` on the ``control`` pipe once
+    listening, and exit when the pipe says stop or closes, or the parent dies."""
     try:
         server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
                             keeper=CacheKeeper(cache, source, storage),
-                            storage_id=storage_id(storage, source.raw_key(0) if cache.n_items else None)).start()
+                            storage_id=storage_id(storage, source.raw_key(0) if cache.n_items else None),
+                            binding=binding, max_clients=limits[0], pending_per_source=limits[1]).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return

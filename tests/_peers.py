@@ -5,11 +5,12 @@ that gives a file another version of the same length."""
 import os
 import socket
 import threading
+import time
 
 from coordl import _peer_wire as wire
 
-_GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES
-_ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES
+GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES
+_ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES
 _PROOF = wire.NONCE_BYTES
 
 
@@ -35,11 +36,13 @@ class Relay:
     as ``forge_greeting(greeting)`` makes it, the rest of the handshake as it is. After it,
     ``forge_item(header, data, tag)`` gets every reply item and ``forge_sent(header, data, tag)`` every request
     (``data``: its ids) or hand-off (``data``: its bytes) the client sends; each returns the (header, data,
-    tag) to forward. :attr:`seen` counts the messages each hook was given."""
+    tag) to forward. :attr:`seen` counts the messages each hook was given. With ``trickle_s``, replies reach
+    the client a byte every ``trickle_s`` seconds (a slow but live link)."""
 
-    def __init__(self, server, forge_item=keep_as_is, forge_sent=keep_as_is, forge_greeting=lambda greeting: greeting):
+    def __init__(self, server, forge_item=keep_as_is, forge_sent=keep_as_is, forge_greeting=lambda greeting: greeting,
+                 trickle_s: float = 0.0):
         self.server, self.forge_item, self.forge_sent = server, forge_item, forge_sent
-        self.forge_greeting = forge_greeting
+        self.forge_greeting, self.trickle_s = forge_greeting, trickle_s
         self.seen = {"items": 0, "sent": 0}
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.address = self._sock.getsockname()[:2]
@@ -59,7 +62,7 @@ class Relay:
                 return
             upstream = socket.create_connection(self.server)
             self._conns += (client, upstream)
-            threading.Thread(target=self._relay, args=(upstream, client, self._replies, _GREETING, _PROOF),
+            threading.Thread(target=self._relay, args=(upstream, client, self._replies, GREETING, _PROOF),
                              daemon=True).start()
             threading.Thread(target=self._relay, args=(client, upstream, self._requests, _ANSWER),
                              daemon=True).start()
@@ -70,7 +73,7 @@ class Relay:
         closes the other."""
         try:
             head = wire.recv_exact(src, first)
-            dst.sendall(self.forge_greeting(head) if first == _GREETING else head)
+            dst.sendall(self.forge_greeting(head) if first == GREETING else head)
             dst.sendall(wire.recv_exact(src, then))
             while True:
                 frames(src, dst)
@@ -87,14 +90,22 @@ class Relay:
         head = wire.recv_exact(src, wire._FRAME.size)
         magic, count = wire._FRAME.unpack(head)
         if magic != wire.REPLY:  # a hand-off's answer: the rest of its frame and its tag
-            dst.sendall(head + wire.recv_exact(src, wire._KEPT.size - len(head) + wire.TAG_BYTES))
+            self._to_client(dst, head + wire.recv_exact(src, wire._KEPT.size - len(head) + wire.TAG_BYTES))
             return
-        dst.sendall(head)
+        self._to_client(dst, head)
         for _ in range(count):
             header = wire.recv_exact(src, wire._ITEM.size)
             data = wire.recv_exact(src, wire._ITEM.unpack(header)[2])
             self.seen["items"] += 1
-            dst.sendall(b"".join(self.forge_item(header, data, wire.recv_exact(src, wire.TAG_BYTES))))
+            self._to_client(dst, b"".join(self.forge_item(header, data, wire.recv_exact(src, wire.TAG_BYTES))))
+
+    def _to_client(self, dst, data: bytes) -> None:
+        if not self.trickle_s:
+            dst.sendall(data)
+            return
+        for k in range(len(data)):
+            time.sleep(self.trickle_s)
+            dst.sendall(data[k:k + 1])
 
     def _requests(self, src, dst) -> None:
         header = wire.recv_exact(src, wire._FRAME.size)

@@ -353,11 +353,11 @@ def test_locality_aware_without_a_partitioned_job_is_refused_clearly(image_root)
 _CLIENT = r"""
 import socket, sys, time, json
 from coordl import _peer_wire as wire
-host, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode()
+host, port, secret, binding = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), bytes.fromhex(sys.argv[5])
 result = {}
 conn = socket.create_connection((host, port), timeout=5)
 try:
-    channel = wire.client_handshake(conn, secret, time.monotonic() + 5)
+    channel = wire.client_handshake(conn, secret, time.monotonic() + 5, binding=binding)
     ids = list(range(int(sys.argv[4])))
     wire.send_request(channel, ids)
     result["items"] = {i: __import__("zlib").crc32(d) for i, d, _ in wire.read_reply(channel, ids, time.monotonic() + 5)
@@ -381,7 +381,8 @@ def test_a_client_from_another_server_without_the_secret_gets_nothing(make_clust
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
     answers = {}
     for secret in ("wrong", SECRET):
-        client = cluster.exec(1, [sys.executable, "-c", _CLIENT, host, str(port), secret, str(len(crcs))],
+        client = cluster.exec(1, [sys.executable, "-c", _CLIENT, host, str(port), secret, str(len(crcs)),
+                                  paused[0]["binding"]],
                               stdout=-1, text=True)
         answers[secret] = json.loads(client.communicate(timeout=60)[0])
     open(os.path.join(out, "go"), "w").close()

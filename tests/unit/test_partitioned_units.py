@@ -5,6 +5,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,8 @@ import types
 import numpy as np
 import pytest
 
-from coordl import partitioned
+from coordl import _peer_wire as wire
+from coordl import partitioned, peer_server
 from coordl.minio_cache import MinIOCache, cache_segment_name
 from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
 from coordl.peer_server import CacheKeeper, PeerServer, cache_lookup, storage_id
@@ -158,7 +160,7 @@ def test_a_peer_port_that_cannot_be_served_at_is_named(monkeypatch, value, why):
     monkeypatch.setenv(partitioned.PORT_ENV, value)
     topology = Topology.from_env(TORCHRUN)
     with pytest.raises(ValueError, match=why):
-        partitioned._start_server(None, None, None, b"", topology, ordinal=1)
+        partitioned._start_server(None, None, None, b"", wire.NO_BINDING, (1, 1), topology, ordinal=1)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
@@ -350,6 +352,7 @@ def test_an_item_its_owner_does_not_deliver_is_read_from_storage_and_not_cached_
     os.environ[partitioned.SECRET_ENV] = "s" * 16
     try:
         tier = partitioned.PeerTier(topology, None, Source(), None, processes=1)
+        peer.binding = tier.binding  # server 1 serves this job's loader
         tier.state.set_address(1, "127.0.0.1:%d" % peer.address[1])
         tier.state.owner[:] = [1, 1, -1]
         tier.state.meta[0] = 1  # a map is known
@@ -398,10 +401,10 @@ class _Files:
 
 
 @contextlib.contextmanager
-def _server_0(monkeypatch, files: _Files, storage, peer_address, cache_bytes: int = 2**20):
+def _server_0(monkeypatch, files: _Files, storage, peer: PeerServer, peer_address=None, cache_bytes: int = 2**20):
     """A ``CachedDataset`` of ``files`` read from ``storage`` by rank 1 of server 0 of 2 (no peer server of its
-    own) with a cache of ``cache_bytes``, and its counters; server 1's peer server is at ``peer_address``, and no
-    map is known yet."""
+    own) with a cache of ``cache_bytes``, and its counters; server 1's peer server is ``peer`` (made to serve
+    this loader's binding), reached at ``peer_address`` (default: its own), and no map is known yet."""
     import torch.distributed as dist
 
     from coordl.cached_dataset import CachedDataset, SampleCounters
@@ -410,7 +413,8 @@ def _server_0(monkeypatch, files: _Files, storage, peer_address, cache_bytes: in
     topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
                                     master_addr="127.0.0.1", master_port=store.port, run=f"peer-{time.monotonic_ns()}")
     tier = partitioned.PeerTier(topology, None, files, storage, processes=1)
-    tier.state.set_address(1, "127.0.0.1:%d" % peer_address[1])
+    peer.binding = tier.binding
+    tier.state.set_address(1, "127.0.0.1:%d" % (peer_address or peer.address)[1])
     with MinIOCache(cache_segment_name(f"server-0-{time.monotonic_ns()}"), n_items=len(files),
                     capacity_bytes=cache_bytes, fingerprint=bytes(32)) as cache:
         counters = SampleCounters(1)
@@ -440,7 +444,7 @@ def test_a_peer_copy_whose_stamp_is_not_this_servers_files_is_read_from_storage(
                         storage_id=b"its own copy".ljust(16, b"\0")).start()]
     try:
         for peer, expected in zip(peers, [(2, 1, 1), (3, 0, 0)]):
-            with _server_0(monkeypatch, files, storage, peer.address) as (dataset, counters):
+            with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
                 _owned_by_server_1(dataset)
                 assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
                 totals = counters.totals()
@@ -470,7 +474,7 @@ def test_a_hand_off_carries_the_stamp_of_the_read_and_is_not_kept_after_an_edit(
                           keeper=CacheKeeper(theirs, files, storage),
                           storage_id=storage_id(storage, files.raw_key(0))).start()
         try:
-            with _server_0(monkeypatch, files, storage, peer.address, cache_bytes=1) as (dataset, counters):
+            with _server_0(monkeypatch, files, storage, peer, cache_bytes=1) as (dataset, counters):
                 assert [bytes(raw) for raw in dataset.fetch_many([1, 2], counters.row())] == before[1:]
                 dataset.peers._hand_off[1].drain()
                 assert dataset.peers.peer_stats()[0]["handed_off"] == 1
@@ -489,11 +493,90 @@ def test_a_relay_that_rewrites_a_peers_replies_gets_no_forged_byte_into_a_batch(
     peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1").start()
     relay = Relay(peer.address, forge_item=flip)
     try:
-        with _server_0(monkeypatch, files, storage, relay.address) as (dataset, counters):
+        with _server_0(monkeypatch, files, storage, peer, relay.address) as (dataset, counters):
             _owned_by_server_1(dataset)
             assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
             assert counters.totals()["peer_hits"] == 0 and relay.seen["items"] >= 1
             assert dataset.peers.state.down[1] == 1
+    finally:
+        relay.close()
+        peer.close()
+
+
+def test_another_jobs_server_at_a_peers_address_is_marked_down_and_nothing_of_it_is_used(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """Another job's peer server (the same secret, the same dataset's size, other bytes) took over server 1's
+    address: the handshake fails on the binding, server 1 is marked down, said once, and the batch is read
+    from storage. Server 1's own peer server there is used."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    others = {i: (b"another dataset's item", None) for i in range(len(files))}
+    impostor = PeerServer(others.get, len(files), SECRET.encode(), "127.0.0.1").start()
+    try:
+        with _server_0(monkeypatch, files, storage, impostor) as (dataset, counters):
+            impostor.binding = os.urandom(wire.BINDING_BYTES)  # another job's loader
+            _owned_by_server_1(dataset)
+            with caplog.at_level("WARNING", logger="coordl.partitioned"):
+                for _ in range(2):
+                    assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+                    dataset.peers.state.down[1] = 0  # as at an epoch start: tried again
+            assert counters.totals()["peer_hits"] == 0
+            said = [r.getMessage() for r in caplog.records if "server 1" in r.getMessage()]
+            assert len(said) == 1 and "serves another job or dataset" in said[0], said
+            impostor.binding = dataset.peers.binding  # the job's own server 1
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == [others[i][0]
+                                                                                             for i in range(3)]
+    finally:
+        impostor.close()
+
+
+def test_a_connection_the_peer_dropped_as_idle_is_reopened_and_costs_no_peer_hit(tmp_path, monkeypatch):
+    """``peer_server`` NOTE [ Peer server limits ]: server 1 drops this process's kept connection once idle; the
+    next batch reopens it. Then server 1 drops it just as a request arrives (the server reads it and closes,
+    as an idle deadline passing then would): the request goes again on a new connection. Every item comes
+    from the peer, which is never marked down."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    served = {i: (raw, None) for i, raw in enumerate(files.read())}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1", idle_s=0.2).start()
+    read_request, requests, dropped = peer_server.wire.read_request, {}, []
+
+    def drop_a_kept_connection(channel, *args):  # its second request, once: read, then dropped unanswered
+        request = read_request(channel, *args)
+        requests[id(channel)] = requests.get(id(channel), 0) + 1
+        if requests[id(channel)] == 2 and not dropped:
+            dropped.append(channel)
+            return None
+        return request
+    try:
+        with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            kept = dataset.peers._connections()[1].sock
+            assert select.select([kept], [], [], 5)[0]  # server 1 closed it (idle)
+            peer.idle_s = 60.0  # from now on connections are dropped by the hook only
+            monkeypatch.setattr(peer_server.wire, "read_request", drop_a_kept_connection)
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert dropped and counters.totals()["peer_hits"] == 9 and dataset.peers.state.down[1] == 0
+    finally:
+        peer.close()
+
+
+def test_a_slow_but_live_link_costs_a_bounded_wait(tmp_path, monkeypatch):
+    """A relay passes server 1's replies on a byte every 20 ms (never silent for the 0.5 s timeout): the
+    whole reply is due within the timeout plus its bytes at ``wire.MIN_RATE``, so the batch waits about
+    0.5 s, not the 9 s the reply would take, and its items come from storage."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    served = {i: (raw, None) for i, raw in enumerate(files.read())}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1").start()
+    relay = Relay(peer.address, trickle_s=0.02)
+    monkeypatch.setenv(partitioned.TIMEOUT_ENV, "0.5")
+    try:
+        with _server_0(monkeypatch, files, storage, peer, relay.address) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            started = time.monotonic()
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert time.monotonic() - started < 2.0
+            assert counters.totals()["peer_hits"] == 0 and dataset.peers.state.down[1] == 1
     finally:
         relay.close()
         peer.close()

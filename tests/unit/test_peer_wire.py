@@ -13,9 +13,9 @@ import pytest
 
 from coordl import _peer_wire as wire
 from coordl.minio_cache import MinIOCache, cache_segment_name
-from coordl.peer_server import CacheKeeper, PeerServer, cache_lookup, storage_id
+from coordl.peer_server import MAX_CLIENTS, CacheKeeper, PeerServer, cache_lookup, job_limits, storage_id
 from coordl.storage import FileStorage
-from tests._peers import Relay, edit, flip
+from tests._peers import GREETING, Relay, edit, flip
 
 SECRET = b"s3cret-of-this-job"
 N_ITEMS = 50
@@ -55,9 +55,9 @@ def server():
     srv.close()
 
 
-def _client(address, secret=SECRET, storage_id=wire.NO_STORAGE) -> wire.Channel:
+def _client(address, secret=SECRET, storage_id=wire.NO_STORAGE, binding=wire.NO_BINDING) -> wire.Channel:
     conn = socket.create_connection(address, timeout=2)
-    return wire.client_handshake(conn, secret, time.monotonic() + 2, storage_id)
+    return wire.client_handshake(conn, secret, time.monotonic() + 2, storage_id, binding)
 
 
 def _fetch(channel, ids):
@@ -105,6 +105,54 @@ def test_a_client_refuses_a_server_that_does_not_know_the_secret():
         conn.close()
     finally:
         impostor.close()
+
+
+JOB_A, JOB_B = b"a" * wire.BINDING_BYTES, b"b" * wire.BINDING_BYTES
+
+
+def test_a_server_of_another_job_or_dataset_with_the_same_secret_is_refused_both_ways():
+    """Two jobs' servers share the secret (a site-wide one) but not the binding: a client of job A refuses job
+    B's server before it answers its greeting, and job B's server sends nothing to a client that answers with
+    job A's binding (a correct MAC over it included); each serves its own job's clients."""
+    looked_up = []
+
+    def lookup(i):
+        looked_up.append(i)
+        return _item(i), None
+    servers = {job: PeerServer(lookup, N_ITEMS, SECRET, "127.0.0.1", binding=job).start() for job in (JOB_A, JOB_B)}
+    try:
+        conn = socket.create_connection(servers[JOB_B].address, timeout=2)
+        with pytest.raises(wire.PeerProtocolError, match="serves another job or dataset"):
+            wire.client_handshake(conn, SECRET, time.monotonic() + 2, binding=JOB_A)
+        conn.close()
+        conn = socket.create_connection(servers[JOB_B].address, timeout=2)  # ignores the greeting's binding
+        greeting = wire.recv_exact(conn, GREETING)
+        mine = os.urandom(wire.NONCE_BYTES) + wire.NO_STORAGE + JOB_A
+        conn.sendall(wire._mac(SECRET, b"client", greeting[len(wire.HELLO):] + mine) + mine)
+        assert _closed_without_data(conn)
+        conn.close()
+        assert looked_up == []
+        for job, server in servers.items():
+            with contextlib.closing(_client(server.address, binding=job)) as channel:
+                assert _fetch(channel, [3]) == {3: _item(3)}
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def test_a_relay_that_gives_the_client_its_own_binding_gets_the_handshake_refused():
+    """A relay that puts the client's binding in another job's server's greeting: the client answers, and the
+    server, seeing another binding, sends it nothing."""
+    server = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1", binding=JOB_B).start()
+    relay = Relay(server.address, forge_greeting=lambda greeting: greeting[:-wire.BINDING_BYTES] + JOB_A)
+    try:
+        conn = socket.create_connection(relay.address, timeout=2)
+        with pytest.raises(ConnectionError):
+            wire.client_handshake(conn, SECRET, time.monotonic() + 2, binding=JOB_A)
+        conn.close()
+    finally:
+        relay.close()
+        server.close()
 
 
 def _handshake(server_storage: bytes, client_storage: bytes) -> tuple[wire.Channel, wire.Channel]:
@@ -198,9 +246,10 @@ def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
     with contextlib.closing(_client(server.address)) as bystander:  # a good client connected all along
         for _ in range(20):  # junk instead of the handshake's answer: the greeting is all it gets
             conn = socket.create_connection(server.address, timeout=2)
-            greeting = wire.recv_exact(conn, len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES)
+            greeting = wire.recv_exact(conn, GREETING)
             assert greeting[:len(wire.HELLO)] == wire.HELLO
-            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES, 300)))
+            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES,
+                                                     300)))
             assert _closed_without_data(conn)
             conn.close()
         assert server.looked_up == []
@@ -278,7 +327,8 @@ def test_a_relay_that_alters_the_storage_id_in_the_greeting_fails_the_handshake(
     """Stamps compare only where both sides' storage ids match: a relay that put the client's id in the server's
     greeting would make the client take the server's stamps for its own; the handshake covers the ids."""
     ours = b"s" * wire.STORAGE_ID_BYTES
-    forger = relay(forge_greeting=lambda greeting: greeting[:-wire.STORAGE_ID_BYTES] + ours)
+    at = len(wire.HELLO) + wire.NONCE_BYTES  # where the server's storage id is
+    forger = relay(forge_greeting=lambda greeting: greeting[:at] + ours + greeting[at + wire.STORAGE_ID_BYTES:])
     conn = socket.create_connection(forger.address, timeout=2)
     with pytest.raises((wire.PeerProtocolError, ConnectionError)):
         wire.client_handshake(conn, SECRET, time.monotonic() + 2, ours)
@@ -316,6 +366,53 @@ def test_a_slow_client_is_dropped_and_others_are_served_meanwhile(server):
     assert _closed_without_data(slow.sock)
     assert time.monotonic() - started < 2  # frame_s = 0.5
     slow.close()
+
+
+def test_silent_connections_from_one_address_never_keep_out_a_peer_at_another():
+    """NOTE [ Peer server limits ]: 127.0.0.2 opens silent connections; the server holds ``pending_per_source``
+    of them (each got its greeting), closes the next before greeting it, and serves a client from 127.0.0.1
+    meanwhile; a silent one is dropped after ``handshake_s``."""
+    srv = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1", handshake_s=1.0,
+                     pending_per_source=4).start()
+    silent = []
+    try:
+        for _ in range(5):
+            conn = socket.socket()
+            conn.bind(("127.0.0.2", 0))
+            conn.connect(srv.address)
+            silent.append(conn)
+        for conn in silent[:4]:  # greeted: held
+            conn.settimeout(3)
+            assert wire.recv_exact(conn, GREETING)[:len(wire.HELLO)] == wire.HELLO
+        assert _closed_without_data(silent[4])
+        with contextlib.closing(_client(srv.address)) as peer:
+            assert _fetch(peer, [4]) == {4: _item(4)}
+        started = time.monotonic()
+        assert _closed_without_data(silent[0])  # at handshake_s
+        assert time.monotonic() - started < 2.5
+    finally:
+        for conn in silent:
+            conn.close()
+        srv.close()
+
+
+def test_an_idle_client_is_dropped_after_idle_s_and_a_new_connection_is_served():
+    srv = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1", idle_s=0.2).start()
+    try:
+        with contextlib.closing(_client(srv.address)) as conn:
+            assert _fetch(conn, [4]) == {4: _item(4)}
+            assert _closed_without_data(conn.sock)
+        with contextlib.closing(_client(srv.address)) as conn:
+            assert _fetch(conn, [6]) == {6: _item(6)}
+    finally:
+        srv.close()
+
+
+def test_the_limits_are_sized_from_the_job():
+    """Every other server's processes, a fetching thread and a hand-off sender each, and headroom."""
+    max_clients, per_source = job_limits(nodes=64, local_world=8, processes=9)
+    assert max_clients >= 63 * 8 * 9 * 2 + 1 and max_clients > MAX_CLIENTS
+    assert per_source >= 8 * 9 * 2
 
 
 def test_many_clients_at_once_each_get_their_own_items(server):
