@@ -397,15 +397,17 @@ import datetime, json, socket, sys, time
 import torch.distributed as dist
 from coordl import _peer_wire as wire
 master, master_port, host, port, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+binding = bytes.fromhex(sys.argv[6])  # the loader's, which is no secret: only the secret is missing
 store = dist.TCPStore(master, master_port, is_master=False, timeout=datetime.timedelta(seconds=10))
 values = {store.get(key) for key in store.list_keys()}
 result = {"keys": len(values), "refused": 0, "served": 0}
 for secret in values:
     conn = socket.create_connection((host, port), timeout=5)
     try:
-        wire.client_handshake(conn, secret, time.monotonic() + 5)
-        conn.sendall(wire.encode_request(list(range(n))))
-        result["served"] += sum(d is not None for _, d in wire.read_reply(conn, list(range(n)), time.monotonic() + 5))
+        channel = wire.client_handshake(conn, secret, time.monotonic() + 5, binding=binding)
+        wire.send_request(channel, list(range(n)))
+        result["served"] += sum(d is not None for _, d, _ in wire.read_reply(channel, list(range(n)),
+                                                                            time.monotonic() + 5))
     except (OSError, wire.PeerProtocolError):
         result["refused"] += 1
     finally:
@@ -423,9 +425,10 @@ def test_a_process_that_reads_every_key_of_the_store_gets_no_cached_byte(make_cl
     cluster = make_cluster(2)
     _run(cluster, root, out, epochs=2, cache_bytes=sum(sizes) // 2, nproc=1, secret=None,
          extra=["--pause", "2:1", "--group-first"], wait=False)
-    host, port = _wait_paused(out, [0, 1])[0]["address"]
+    paused = _wait_paused(out, [0, 1])[0]
+    (host, port), binding = paused["address"], paused["binding"]
     reader = cluster.exec(1, [sys.executable, "-c", _STORE_READER, cluster.master_addr, str(cluster.master_port),
-                              host, str(port), str(len(crcs))], stdout=-1, stderr=-1, text=True)
+                              host, str(port), str(len(crcs)), binding], stdout=-1, stderr=-1, text=True)
     stdout, stderr = reader.communicate(timeout=120)
     open(os.path.join(out, "go"), "w").close()
     results = _results(cluster, out, 1)
