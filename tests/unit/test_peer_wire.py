@@ -434,10 +434,8 @@ def test_many_clients_at_once_each_get_their_own_items(server):
     assert errors == []
 
 
-@contextlib.contextmanager
-def _cache_server(tmp_path, n: int = 4):
-    """A peer server of a MinIO cache of the files ``f0``... (``_item(i)``), serving and keeping as ``serve``
-    does, with the storage id of those files."""
+def _files(tmp_path, n: int):
+    """Files ``f0``... holding ``_item(i)``, and a source whose raw keys they are."""
     files = [tmp_path / f"f{i}" for i in range(n)]
     for i, f in enumerate(files):
         f.write_bytes(_item(i))
@@ -445,12 +443,20 @@ def _cache_server(tmp_path, n: int = 4):
     class Source:
         def raw_key(self, i):
             return str(files[i])
+    return files, Source()
+
+
+@contextlib.contextmanager
+def _cache_server(tmp_path, n: int = 4):
+    """A peer server of a MinIO cache of the files ``f0``... (``_item(i)``), serving and keeping as ``serve``
+    does, with the storage id of those files."""
+    files, source = _files(tmp_path, n)
     storage = FileStorage(drop_page_cache=False)
     with MinIOCache(cache_segment_name(f"stamps-{time.monotonic_ns()}"), n_items=n, capacity_bytes=1 << 20,
                     fingerprint=bytes(32)) as cache:
         ours = storage_id(storage, str(files[0]))
-        srv = PeerServer(cache_lookup(cache, Source(), storage), n, SECRET, "127.0.0.1",
-                         keeper=CacheKeeper(cache, Source(), storage), storage_id=ours).start()
+        srv = PeerServer(cache_lookup(cache, source, storage), n, SECRET, "127.0.0.1",
+                         keeper=CacheKeeper(cache, source, storage), storage_id=ours).start()
         try:
             yield files, storage, cache, srv, ours
         finally:
@@ -500,18 +506,12 @@ def test_a_server_keeps_a_hand_off_stamped_with_its_own_file_and_declines_what_i
     put them; a hand-off whose stamp compares here (the sender reads the same files) only if it is that
     stamp. A file it lacks or holds in another length or version, an item it holds, and a full cache are
     refused, from the header alone (before any byte is read)."""
-    files = [tmp_path / f"f{i}" for i in range(4)]
-    for i, f in enumerate(files):
-        f.write_bytes(_item(i))
-
-    class Source:
-        def raw_key(self, i):
-            return str(files[i])
+    files, source = _files(tmp_path, 4)
     storage = FileStorage(drop_page_cache=False)
     capacity = len(_item(0)) + len(_item(1))
     with MinIOCache(cache_segment_name(f"keep-{time.monotonic_ns()}"), n_items=4, capacity_bytes=capacity,
                     fingerprint=bytes(32)) as cache:
-        keeper = CacheKeeper(cache, Source(), storage)
+        keeper = CacheKeeper(cache, source, storage)
         outcome, stamp = keeper.admit(0, len(_item(0)), None)  # from a server with its own copy
         assert outcome == wire.STORED
         assert keeper.keep(0, _item(0), stamp) == wire.STORED
