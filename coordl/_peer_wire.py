@@ -3,12 +3,13 @@ after it. No pickles.
 
 NOTE [ Peer wire ]
 Every connection starts with a mutual challenge-response over the job's secret:
-  server -> client  ``HELLO`` magic (8 bytes) + server nonce (32) + server's storage id (16) + binding (16)
-  client -> server  HMAC-SHA256(secret, "client" + T) (32) + client nonce (32) + client's storage id (16)
+  server -> client  ``HELLO`` magic (8 bytes) + server nonce (32) + server's storage id (16) + sample (324)
                     + binding (16)
+  client -> server  HMAC-SHA256(secret, "client" + T) (32) + client nonce (32) + client's storage id (16)
+                    + sample (324) + binding (16)
   server -> client  HMAC-SHA256(secret, "server" + T) (32)
-where T is the transcript: server nonce + server's storage id + server's binding + client nonce + client's
-storage id + client's binding. Both sides compare digests with ``hmac.compare_digest``; a wrong one closes
+where T is the transcript: everything each side sent after the magic and before its MAC, the server's
+first. Both sides compare digests with ``hmac.compare_digest``; a wrong one closes
 the connection, so neither side sends or accepts a byte of data to or from anyone who does not know the
 secret. Both then hold the connection's session key, HMAC-SHA256(secret, "session" + T), which no one
 without the secret can derive (a relay that passes the handshake through included).
@@ -25,6 +26,14 @@ of a file where it is stored (inode, ctime, size), so two sides compare stamps o
 equal and nonzero (``Channel.shared``): they read the same storage. A server with its own copy of the
 dataset (or whose first file changed as the servers started) has another id, and the functions here give
 None for the stamps that messages to or from it carry.
+
+Copies are not compared byte for byte, so each side also sends a sample of its copy
+(:func:`copy_sample`): the sizes of ``SAMPLE_SIZES`` evenly spaced items and a digest of the bytes of
+``SAMPLE_DIGESTS`` of them, each marked missing where its file is not there (a server may hold only some
+files). Where the stamps do not compare, a side that finds a sampled item present at both ends with
+another size or digest fails the handshake, naming the items (:func:`diverged`): a server whose copy
+differs is then marked down and said so once by each rank, as one that does not answer is, and nothing
+passes between the two.
 
 Then the client sends requests and the server answers each in order:
   request  ``!4sI`` (``REQUEST`` magic, count) + count x ``!I`` item ids + tag
@@ -61,7 +70,7 @@ import socket
 import struct
 import time
 
-HELLO = b"CDLPEER3"
+HELLO = b"CDLPEER4"
 REQUEST = b"CDLQ"
 REPLY = b"CDLR"
 KEEP = b"CDLK"
@@ -70,6 +79,15 @@ NONCE_BYTES = 32
 STORAGE_ID_BYTES = 16
 NO_STORAGE = bytes(STORAGE_ID_BYTES)
 """The storage id of a side whose stamps compare with no one's."""
+SAMPLE_SIZES = 64
+SAMPLE_DIGESTS = 4
+_SAMPLE_DIGEST_BYTES = 16
+_MISSING = 0xFFFFFFFF
+_SAMPLE_HEAD = struct.Struct(f"!I{SAMPLE_SIZES}I")  # items in the dataset, sampled sizes
+_NO_DIGEST = bytes(_SAMPLE_DIGEST_BYTES)
+SAMPLE_BYTES = _SAMPLE_HEAD.size + _SAMPLE_DIGEST_BYTES * SAMPLE_DIGESTS
+NO_SAMPLE = bytes(SAMPLE_BYTES)
+"""The sample of a side that says nothing of its copy (a dataset of no items)."""
 BINDING_BYTES = 16
 NO_BINDING = bytes(BINDING_BYTES)
 """The binding of a side that names no job (a server or client outside a partitioned job)."""
@@ -144,9 +162,23 @@ def _mac(secret: bytes, role: bytes, transcript: bytes) -> bytes:
     return hmac.new(secret, role + transcript, "sha256").digest()
 
 
+_SENT_BYTES = NONCE_BYTES + STORAGE_ID_BYTES + SAMPLE_BYTES + BINDING_BYTES  # each side's part of the transcript
+
+
 def _channel(sock: socket.socket, secret: bytes, transcript: bytes, ours: bytes, theirs: bytes,
              client: bool) -> Channel:
-    return Channel(sock, _mac(secret, b"session", transcript), ours == theirs != NO_STORAGE, client)
+    """The authenticated connection, once each side's sent part (``ours``, ``theirs``: nonce, storage id,
+    sample, binding) is checked for the same copy of the dataset where their stamps do not compare."""
+    ids = [part[NONCE_BYTES:NONCE_BYTES + STORAGE_ID_BYTES] for part in (ours, theirs)]
+    samples = [part[NONCE_BYTES + STORAGE_ID_BYTES:-BINDING_BYTES] for part in (ours, theirs)]
+    shared = ids[0] == ids[1] != NO_STORAGE
+    if not shared:
+        differ = diverged(*samples)
+        if differ:
+            shown = ", ".join(map(str, differ[:5])) + (", ..." if len(differ) > 5 else "")
+            raise PeerProtocolError(f"its copy of the dataset differs from this server's: sampled item(s) {shown} "
+                                    f"have another size or other bytes (every server must hold the same files)")
+    return Channel(sock, _mac(secret, b"session", transcript), shared, client)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -174,38 +206,75 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 
 def server_handshake(sock: socket.socket, secret: bytes, deadline: float, storage_id: bytes = NO_STORAGE,
-                     binding: bytes = NO_BINDING) -> Channel:
-    """Authenticate a client that connected (see NOTE [ Peer wire ]; ``storage_id`` and ``binding``: this
-    side's); raises ``PeerProtocolError``, also for a client of another job or dataset."""
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    sock.sendall(HELLO + nonce + storage_id + binding)
-    answer = recv_exact(sock, _MAC_BYTES + NONCE_BYTES + STORAGE_ID_BYTES + BINDING_BYTES, deadline)
+                     binding: bytes = NO_BINDING, sample: bytes = NO_SAMPLE) -> Channel:
+    """Authenticate a client that connected (see NOTE [ Peer wire ]; ``storage_id``, ``binding`` and
+    ``sample``: this side's); raises ``PeerProtocolError``, also for a client of another job or dataset, or
+    with another copy of the dataset."""
+    ours = secrets.token_bytes(NONCE_BYTES) + storage_id + sample + binding
+    sock.sendall(HELLO + ours)
+    answer = recv_exact(sock, _MAC_BYTES + _SENT_BYTES, deadline)
     if answer[-BINDING_BYTES:] != binding:
         raise PeerProtocolError("the client is of another job or dataset (its handshake has another binding)")
-    transcript = nonce + storage_id + binding + answer[_MAC_BYTES:]
+    transcript = ours + answer[_MAC_BYTES:]
     if not hmac.compare_digest(answer[:_MAC_BYTES], _mac(secret, b"client", transcript)):
         raise PeerProtocolError("client failed the handshake (wrong secret)")
     sock.sendall(_mac(secret, b"server", transcript))
-    theirs = answer[-STORAGE_ID_BYTES - BINDING_BYTES:-BINDING_BYTES]
-    return _channel(sock, secret, transcript, storage_id, theirs, client=False)
+    return _channel(sock, secret, transcript, ours, answer[_MAC_BYTES:], client=False)
 
 
 def client_handshake(sock: socket.socket, secret: bytes, deadline: float, storage_id: bytes = NO_STORAGE,
-                     binding: bytes = NO_BINDING) -> Channel:
-    """Authenticate to a server and check that it knows the secret too and serves this ``binding`` (see NOTE
-    [ Peer wire ]; ``storage_id``: this side's); raises ``PeerProtocolError``."""
-    hello = recv_exact(sock, len(HELLO) + NONCE_BYTES + STORAGE_ID_BYTES + BINDING_BYTES, deadline)
+                     binding: bytes = NO_BINDING, sample: bytes = NO_SAMPLE) -> Channel:
+    """Authenticate to a server and check that it knows the secret too, serves this ``binding`` and holds the
+    same copy of the dataset (see NOTE [ Peer wire ]; ``storage_id`` and ``sample``: this side's); raises
+    ``PeerProtocolError``."""
+    hello = recv_exact(sock, len(HELLO) + _SENT_BYTES, deadline)
     if hello[:len(HELLO)] != HELLO:
         raise PeerProtocolError("not a coordl peer server of this version (bad greeting)")
     if hello[-BINDING_BYTES:] != binding:
         raise PeerProtocolError("the server serves another job or dataset (its handshake has another binding)")
-    mine = secrets.token_bytes(NONCE_BYTES) + storage_id + binding
-    transcript = hello[len(HELLO):] + mine
-    sock.sendall(_mac(secret, b"client", transcript) + mine)
+    ours = secrets.token_bytes(NONCE_BYTES) + storage_id + sample + binding
+    transcript = hello[len(HELLO):] + ours
+    sock.sendall(_mac(secret, b"client", transcript) + ours)
     if not hmac.compare_digest(recv_exact(sock, _MAC_BYTES, deadline), _mac(secret, b"server", transcript)):
         raise PeerProtocolError("server failed the handshake (wrong secret)")
-    theirs = hello[-STORAGE_ID_BYTES - BINDING_BYTES:-BINDING_BYTES]
-    return _channel(sock, secret, transcript, storage_id, theirs, client=True)
+    return _channel(sock, secret, transcript, ours, hello[len(HELLO):], client=True)
+
+
+def copy_sample(n_items: int, size, digest) -> bytes:
+    """This side's sample of its copy of a dataset of ``n_items`` (NOTE [ Peer wire ]): the count, then
+    ``size(i)`` of the sampled items and ``digest(i)`` (bytes) of some of them, each None where the item's
+    file is missing."""
+    ids = sampled(n_items)
+    words = [_MISSING if s is None else min(s, _MISSING - 1) for s in map(size, ids)]
+    digests = [digest(i) for i in _digested(ids)]
+    return (_SAMPLE_HEAD.pack(n_items, *words, *[_MISSING] * (SAMPLE_SIZES - len(words)))
+            + b"".join((d or _NO_DIGEST)[:_SAMPLE_DIGEST_BYTES].ljust(_SAMPLE_DIGEST_BYTES, b"\0") for d in digests)
+            + _NO_DIGEST * (SAMPLE_DIGESTS - len(digests)))
+
+
+def sampled(n_items: int) -> list[int]:
+    """The items a sample describes: up to ``SAMPLE_SIZES`` evenly spaced ids, the same at every side."""
+    return list(range(0, n_items, max(1, -(-n_items // SAMPLE_SIZES))))[:SAMPLE_SIZES]
+
+
+def _digested(ids: list[int]) -> list[int]:
+    return ids[::max(1, len(ids) // SAMPLE_DIGESTS)][:SAMPLE_DIGESTS]
+
+
+def diverged(ours: bytes, theirs: bytes) -> list[int]:
+    """The items of two samples of the same dataset that are present in both with another size or digest
+    (none where the samples are of datasets of different lengths: the binding tells those apart)."""
+    (n, *mine), (m, *other) = _SAMPLE_HEAD.unpack_from(ours), _SAMPLE_HEAD.unpack_from(theirs)
+    if n != m:
+        return []
+    ids = sampled(n)
+    out = {i for i, a, b in zip(ids, mine, other) if _MISSING not in (a, b) and a != b}
+    for k, i in enumerate(_digested(ids)):
+        at = _SAMPLE_HEAD.size + k * _SAMPLE_DIGEST_BYTES
+        a, b = ours[at:at + _SAMPLE_DIGEST_BYTES], theirs[at:at + _SAMPLE_DIGEST_BYTES]
+        if _NO_DIGEST not in (a, b) and a != b:
+            out.add(i)
+    return sorted(out)
 
 
 def send_request(channel: Channel, ids) -> None:

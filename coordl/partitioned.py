@@ -51,7 +51,8 @@ server keeps them as if read from its own storage, and the next map exchange mak
 declines them if it holds the item already or its own file is missing or another version: where both
 servers read the same storage (``_peer_wire`` NOTE [ Peer wire ]), one whose stamp is not the read's,
 so a file edited between the read and the hand-off is never kept as current; where it keeps its own
-copy of the dataset, one of another length (copies are trusted to hold the same bytes). A server that
+copy of the dataset, one of another length (copies are trusted to hold the same bytes once their
+samples matched at the handshake: ``_peer_wire`` NOTE [ Peer wire ]). A server that
 answers ``FULL`` (or whose map says frozen) gets no more; one that fails a hand-off gets no more from
 that process (its reads are not affected). A process drains its queue (for at most ``HANDOFF_DRAIN_S``) before it exits,
 as a torch worker does at its epoch's end, and a rank before it starts an epoch; every live server's
@@ -435,6 +436,7 @@ class PeerTier:
         self.secret = job_secret(topology)
         self.binding = loader_binding(self._store, self.prefix)
         self.storage_id = peer_server.storage_id(storage, source.raw_key(0) if self.n_items else None)
+        self.sample = peer_server.copy_sample(storage, source)
         self._cache, self._server = cache, None
         self._maps_known = 0  # the last epoch begun
         self._absent: set[int] = set()  # servers missing from the last map: not waited for again
@@ -447,8 +449,8 @@ class PeerTier:
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
             limits = peer_server.job_limits(topology.nodes, topology.local_world, processes)
-            self._server = _start_server(cache, source, storage, self.secret, self.binding, limits, topology,
-                                         sum(_loaders_built.values()) - 1)
+            self._server = _start_server(cache, source, storage, self.secret, (self.storage_id, self.sample),
+                                         self.binding, limits, topology, sum(_loaders_built.values()) - 1)
             host, port = self._server.address
             self.state.set_address(topology.node, f"{host}:{port}")  # checks that it fits, here where it is made
             self._store.set(f"addr/{topology.node}", f"{host}:{port}")
@@ -710,7 +712,7 @@ class PeerTier:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 channel = wire.client_handshake(conn, self.secret, time.monotonic() + self.timeout_s, self.storage_id,
-                                                self.binding)
+                                                self.binding, self.sample)
             except BaseException:
                 conn.close()
                 raise
@@ -918,12 +920,12 @@ class PendingFetch:
 class _ServerProcess:
     """This node's peer server (``peer_server.serve``), a child forked as torch forks DataLoader workers."""
 
-    def __init__(self, cache, source, storage, secret: bytes, binding: bytes, limits: tuple[int, int], host: str,
-                 port: int):
+    def __init__(self, cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], binding: bytes,
+                 limits: tuple[int, int], host: str, port: int):
         ctx = multiprocessing.get_context("fork")
         self.control, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=peer_server.serve,
-                                args=(cache, source, storage, secret, binding, limits, host, port, theirs),
+                                args=(cache, source, storage, secret, copy, binding, limits, host, port, theirs),
                                 name="coordl-peer-server", daemon=True)
         self.proc.start()
         theirs.close()
@@ -949,14 +951,14 @@ class _ServerProcess:
         self.control.close()
 
 
-def _start_server(cache, source, storage, secret: bytes, binding: bytes, limits: tuple[int, int],
-                  topology: Topology, ordinal: int) -> _ServerProcess:
+def _start_server(cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], binding: bytes,
+                  limits: tuple[int, int], topology: Topology, ordinal: int) -> _ServerProcess:
     host = _local_address(topology)
     port = _whole(os.environ, PORT_ENV, 0, 65535, default=0) if os.environ.get(PORT_ENV) else 0
     if port and port + ordinal > 65535:
         raise ValueError(f"{PORT_ENV}={port}: this process's partitioned loader {ordinal + 1} of the dataset would "
                          f"serve at port {port + ordinal}, past 65535")
-    server = _ServerProcess(cache, source, storage, secret, binding, limits, host, port + ordinal if port else 0)
+    server = _ServerProcess(cache, source, storage, secret, copy, binding, limits, host, port + ordinal if port else 0)
     logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
                 topology.nodes, *server.address)
     return server

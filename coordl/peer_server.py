@@ -54,15 +54,17 @@ class PeerServer:
     """Serves ``lookup(index) -> (bytes-like, stamp or None) | None`` for ids in ``range(n_items)`` to clients
     that know ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes
     their hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one), saying ``storage_id``
-    (see :func:`storage_id`) and ``binding`` (the job's loader it serves: ``_peer_wire`` NOTE [ Peer wire ]);
+    (see :func:`storage_id`), ``sample`` (:func:`copy_sample`) and ``binding`` (the job's loader it serves:
+    ``_peer_wire`` NOTE [ Peer wire ]);
     the limits are NOTE [ Peer server limits ]'s."""
 
     def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
-                 storage_id: bytes = wire.NO_STORAGE, binding: bytes = wire.NO_BINDING, frame_s: float = FRAME_S,
+                 storage_id: bytes = wire.NO_STORAGE, sample: bytes = wire.NO_SAMPLE, binding: bytes = wire.NO_BINDING,
+                 frame_s: float = FRAME_S,
                  handshake_s: float = HANDSHAKE_S, idle_s: float = IDLE_S, max_clients: int = MAX_CLIENTS,
                  pending_per_source: int = PENDING_PER_SOURCE):
         self.lookup, self.n_items, self.secret, self.keeper = lookup, n_items, secret, keeper
-        self.storage_id, self.binding = storage_id, binding
+        self.storage_id, self.sample, self.binding = storage_id, sample, binding
         self.frame_s, self.handshake_s, self.idle_s = frame_s, handshake_s, idle_s
         self.max_clients, self.pending_per_source = max_clients, pending_per_source
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -100,7 +102,7 @@ class PeerServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 channel = wire.server_handshake(conn, self.secret, time.monotonic() + self.handshake_s,
-                                                self.storage_id, self.binding)
+                                                self.storage_id, self.binding, self.sample)
             finally:
                 with self._lock:
                     self._unpend(source)
@@ -166,6 +168,27 @@ def storage_id(storage, first_key) -> bytes:
     return hashlib.blake2b(repr(version).encode(), digest_size=wire.STORAGE_ID_BYTES).digest()
 
 
+def copy_sample(storage, source) -> bytes:
+    """This server's sample of its copy of the dataset (``_peer_wire`` NOTE [ Peer wire ]): its files' sizes
+    from their stamps and digests of a few files' bytes; ``wire.NO_SAMPLE`` with a storage that stamps
+    nothing (its keys name immutable bytes)."""
+    stamp = stamper(storage)
+    if stamp is None:
+        return wire.NO_SAMPLE
+
+    def size(index: int) -> int | None:
+        found = stamp(source.raw_key(index))
+        return None if found is None else found[-1]
+
+    def digest(index: int) -> bytes | None:
+        try:
+            data = storage.read(source.raw_key(index))
+        except OSError:
+            return None
+        return hashlib.blake2b(data, digest_size=16).digest()
+    return wire.copy_sample(len(source), size, digest)
+
+
 def cache_lookup(cache, source, storage):
     """``lookup`` serving ``cache``'s items, with their stamps, as a local hit is served: with a storage
     that stamps its files, only while the item's file still has the stamp it was cached with
@@ -184,9 +207,9 @@ class CacheKeeper:
     that stamps its files, a hand-off whose stamp compares here (both servers read the same storage) is
     kept only while this server's file still has that stamp, the stamp of the read that produced the bytes;
     one from a server with its own copy of the dataset, only if this server's file has the item's length,
-    stamped with that file (copies are trusted to hold the same bytes). Else (another version, or missing
-    here) it is declined. Authenticated peers are trusted with the bytes, as readers trust what peers serve
-    them: tags guard the transport, not intent."""
+    stamped with that file (copies are trusted to hold the same bytes once their samples matched at the
+    handshake). Else (another version, or missing here) it is declined. Authenticated peers are trusted
+    with the bytes, as readers trust what peers serve them: tags guard the transport, not intent."""
 
     def __init__(self, cache, source, storage):
         self.cache, self.source, self._stamp = cache, source, stamper(storage)
@@ -213,15 +236,15 @@ class CacheKeeper:
         return wire.FULL if self.cache.full else wire.DECLINED
 
 
-def serve(cache, source, storage, secret: bytes, binding: bytes, limits: tuple[int, int], host: str, port: int,
-          control) -> None:
+def serve(cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], binding: bytes, limits: tuple[int, int],
+          host: str, port: int, control) -> None:
     """The server process: serve ``cache`` on ``host:port`` to the clients of ``binding`` (at most ``limits``:
-    :func:`job_limits`) and keep what they hand it, send ``("port", n)`` on the ``control`` pipe once
-    listening, and exit when the pipe says stop or closes, or the parent dies."""
+    :func:`job_limits`), saying ``copy`` (this server's storage id and sample), and keep what they hand it,
+    send ``("port", n)`` on the ``control`` pipe once listening, and exit when the pipe says stop or closes,
+    or the parent dies."""
     try:
         server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
-                            keeper=CacheKeeper(cache, source, storage),
-                            storage_id=storage_id(storage, source.raw_key(0) if cache.n_items else None),
+                            keeper=CacheKeeper(cache, source, storage), storage_id=copy[0], sample=copy[1],
                             binding=binding, max_clients=limits[0], pending_per_source=limits[1]).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))

@@ -9,8 +9,8 @@ import time
 
 from coordl import _peer_wire as wire
 
-GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES
-_ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES
+GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.SAMPLE_BYTES + wire.BINDING_BYTES
+_ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.SAMPLE_BYTES + wire.BINDING_BYTES
 _PROOF = wire.NONCE_BYTES
 
 

@@ -160,7 +160,8 @@ def test_a_peer_port_that_cannot_be_served_at_is_named(monkeypatch, value, why):
     monkeypatch.setenv(partitioned.PORT_ENV, value)
     topology = Topology.from_env(TORCHRUN)
     with pytest.raises(ValueError, match=why):
-        partitioned._start_server(None, None, None, b"", wire.NO_BINDING, (1, 1), topology, ordinal=1)
+        partitioned._start_server(None, None, None, b"", (wire.NO_STORAGE, wire.NO_SAMPLE), wire.NO_BINDING, (1, 1),
+                                  topology, ordinal=1)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
@@ -462,9 +463,11 @@ def test_a_hand_off_carries_the_stamp_of_the_read_and_is_not_kept_after_an_edit(
     files = _Files(tmp_path)
 
     class EditedAfterRead(FileStorage):
+        armed = False  # from the batch's reads on
+
         def read_stamped(self, key):
             read = super().read_stamped(key)
-            if key == files.raw_key(1):
+            if self.armed and key == files.raw_key(1):
                 edit(files.paths[1])
             return read
     storage, before = EditedAfterRead(drop_page_cache=False), files.read()
@@ -475,6 +478,7 @@ def test_a_hand_off_carries_the_stamp_of_the_read_and_is_not_kept_after_an_edit(
                           storage_id=storage_id(storage, files.raw_key(0))).start()
         try:
             with _server_0(monkeypatch, files, storage, peer, cache_bytes=1) as (dataset, counters):
+                storage.armed = True
                 assert [bytes(raw) for raw in dataset.fetch_many([1, 2], counters.row())] == before[1:]
                 dataset.peers._hand_off[1].drain()
                 assert dataset.peers.peer_stats()[0]["handed_off"] == 1
@@ -527,6 +531,40 @@ def test_another_jobs_server_at_a_peers_address_is_marked_down_and_nothing_of_it
                                                                                              for i in range(3)]
     finally:
         impostor.close()
+
+
+@pytest.mark.parametrize("theirs", ["other bytes", "only some files", "the same"])
+def test_a_server_whose_copy_of_the_dataset_differs_is_marked_down_and_said_so_once(tmp_path, monkeypatch, caplog,
+                                                                                     theirs):
+    """Server 1 keeps its own copy of the dataset (another storage id). With other bytes in files of the same
+    sizes, the handshake's samples differ: server 1 is marked down, said once naming the items, and nothing of
+    its copy is used, epoch after epoch. A copy that lacks some files, or holds the same bytes, is used."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    (tmp_path / "copy").mkdir()
+    copy = _Files(tmp_path / "copy")
+    if theirs == "other bytes":
+        for i, path in enumerate(copy.paths):
+            path.write_bytes(bytes([i + 7]) * (100 + i))
+    elif theirs == "only some files":
+        copy.paths[1].unlink()
+    served = {i: (path.read_bytes(), None) for i, path in enumerate(copy.paths) if path.exists()}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1", storage_id=b"own copy".ljust(16, b"\0"),
+                      sample=peer_server.copy_sample(storage, copy)).start()
+    try:
+        with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            with caplog.at_level("WARNING", logger="coordl.partitioned"):
+                for _ in range(2):
+                    assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+                    dataset.peers.state.down[1] = 0  # as at an epoch start: tried again
+            said = [r.getMessage() for r in caplog.records if "server 1" in r.getMessage()]
+            if theirs == "other bytes":
+                assert counters.totals()["peer_hits"] == 0
+                assert len(said) == 1 and "copy of the dataset differs" in said[0] and "0, 1, 2" in said[0], said
+            else:
+                assert counters.totals()["peer_hits"] == 2 * len(served) and said == []
+    finally:
+        peer.close()
 
 
 def test_a_connection_the_peer_dropped_as_idle_is_reopened_and_costs_no_peer_hit(tmp_path, monkeypatch):

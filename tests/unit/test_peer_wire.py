@@ -127,7 +127,7 @@ def test_a_server_of_another_job_or_dataset_with_the_same_secret_is_refused_both
         conn.close()
         conn = socket.create_connection(servers[JOB_B].address, timeout=2)  # ignores the greeting's binding
         greeting = wire.recv_exact(conn, GREETING)
-        mine = os.urandom(wire.NONCE_BYTES) + wire.NO_STORAGE + JOB_A
+        mine = os.urandom(wire.NONCE_BYTES) + wire.NO_STORAGE + wire.NO_SAMPLE + JOB_A
         conn.sendall(wire._mac(SECRET, b"client", greeting[len(wire.HELLO):] + mine) + mine)
         assert _closed_without_data(conn)
         conn.close()
@@ -155,13 +155,21 @@ def test_a_relay_that_gives_the_client_its_own_binding_gets_the_handshake_refuse
         server.close()
 
 
-def _handshake(server_storage: bytes, client_storage: bytes) -> tuple[wire.Channel, wire.Channel]:
+def _handshake(server_storage: bytes, client_storage: bytes, server_sample: bytes = wire.NO_SAMPLE,
+               client_sample: bytes = wire.NO_SAMPLE) -> tuple:
+    """Both ends of a handshake over a socket pair: each a ``Channel``, or the error it raised."""
     a, b = socket.socketpair()
     ends = {}
-    thread = threading.Thread(target=lambda: ends.update(server=wire.server_handshake(
-        a, SECRET, time.monotonic() + 2, server_storage)))
+
+    def end(name, handshake, sock, storage, sample):
+        try:
+            ends[name] = handshake(sock, SECRET, time.monotonic() + 2, storage, sample=sample)
+        except wire.PeerProtocolError as e:
+            ends[name] = e
+            sock.close()
+    thread = threading.Thread(target=end, args=("server", wire.server_handshake, a, server_storage, server_sample))
     thread.start()
-    ends["client"] = wire.client_handshake(b, SECRET, time.monotonic() + 2, client_storage)
+    end("client", wire.client_handshake, b, client_storage, client_sample)
     thread.join()
     return ends["server"], ends["client"]
 
@@ -177,6 +185,24 @@ def test_a_handshake_gives_both_ends_a_key_of_their_own_and_says_whether_their_s
     for pair in (first, second):
         for end in pair:
             end.close()
+
+
+def test_ends_with_their_own_copies_of_the_dataset_refuse_each_other_where_a_sampled_item_differs():
+    """Samples of 1000 items (64 sizes, 4 digests): an item of another size, or a digested one with other bytes,
+    fails the handshake at both ends, naming the item; items missing at one end, samples of the same bytes,
+    or ends that read the same storage (their stamps compare instead) pass."""
+    def sample(size=lambda i: 100 + i, digest=lambda i: i.to_bytes(16, "big")):
+        return wire.copy_sample(1000, size, digest)
+    own, other, same = b"a" * wire.STORAGE_ID_BYTES, b"b" * wire.STORAGE_ID_BYTES, b"s" * wire.STORAGE_ID_BYTES
+    assert wire.sampled(1000)[:3] == [0, 16, 32] and len(wire.sampled(1000)) <= wire.SAMPLE_SIZES
+    for theirs, item in ((sample(size=lambda i: 7 if i == 32 else 100 + i), 32),
+                         (sample(digest=lambda i: b"x" * 16 if i == 240 else i.to_bytes(16, "big")), 240)):
+        ends = _handshake(own, other, sample(), theirs)
+        assert all(isinstance(e, wire.PeerProtocolError) and f"sampled item(s) {item} have another size or other bytes"
+                   in str(e) for e in ends), ends
+        assert all(isinstance(e, wire.Channel) for e in _handshake(same, same, sample(), theirs))
+    for theirs in (sample(), sample(size=lambda i: None, digest=lambda i: None), wire.NO_SAMPLE):
+        assert all(isinstance(e, wire.Channel) and not e.shared for e in _handshake(own, other, sample(), theirs))
 
 
 def test_a_reply_item_is_used_only_with_its_own_tag_id_and_place_on_the_connection():
@@ -241,6 +267,9 @@ def _authenticated_frames(rng: random.Random) -> list[bytes]:
     ]
 
 
+ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.SAMPLE_BYTES + wire.BINDING_BYTES  # a client's
+
+
 def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
     rng = random.Random(12)
     with contextlib.closing(_client(server.address)) as bystander:  # a good client connected all along
@@ -248,8 +277,7 @@ def test_fuzzed_frames_never_crash_the_server_or_serve_a_byte(server):
             conn = socket.create_connection(server.address, timeout=2)
             greeting = wire.recv_exact(conn, GREETING)
             assert greeting[:len(wire.HELLO)] == wire.HELLO
-            conn.sendall(rng.randbytes(rng.randrange(2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.BINDING_BYTES,
-                                                     300)))
+            conn.sendall(rng.randbytes(rng.randrange(ANSWER, ANSWER + 100)))
             assert _closed_without_data(conn)
             conn.close()
         assert server.looked_up == []
