@@ -12,9 +12,10 @@ point; the pause is not counted in the epoch's time). ``--sync`` all-reduces aft
 as DDP does, ``--step-s`` sleeps for a training step, ``--device MAJ:MIN`` records the bytes this rank's
 cgroup read from that device per epoch, ``--warm-all`` first reads the whole dataset into this server's
 cache (the full-local reference), ``--idle-after NODE:EPOCHS`` has a server stop iterating early,
-``--locality`` turns on locality-aware batches, ``--lag NODE:SECONDS`` has a server's ranks start their
-last epoch that much later (so the others finish first), ``--group-first`` joins the gloo group before the
-loader is built (with no ``COORDL_PEER_SECRET``, the peers then agree their secret over it).
+``--locality`` turns on locality-aware batches, ``--lag NODE[.LOCAL_RANK]:SECONDS`` (repeatable) has a
+server's ranks, or one of them, start their last epoch that much later (so the others finish first),
+``--group-first`` joins the gloo group before the loader is built (with no ``COORDL_PEER_SECRET``, the
+peers then agree their secret over it).
 """
 
 import argparse
@@ -82,8 +83,8 @@ def main() -> None:
     parser.add_argument("--locality", action="store_true", help="locality_aware=True")
     parser.add_argument("--idle-after", default=None, help="NODE:EPOCHS: that server's ranks stop iterating after "
                         "EPOCHS epochs and keep their loader until rank 0 has iterated all of its epochs")
-    parser.add_argument("--lag", default=None, help="NODE:SECONDS: that server's ranks start their last epoch "
-                        "SECONDS late")
+    parser.add_argument("--lag", action="append", default=[], help="NODE[.LOCAL_RANK]:SECONDS: that server's "
+                        "ranks (or that one) start their last epoch SECONDS late; repeatable")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.backend == "dali":
@@ -115,11 +116,13 @@ def main() -> None:
                                    cache_bytes=cache_bytes, partitioned=False):
             pass
     idle = tuple(int(v) for v in args.idle_after.split(":")) if args.idle_after else None
-    lag = args.lag.split(":") if args.lag else None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    lag = sum(float(seconds) for who, seconds in (entry.split(":") for entry in args.lag)
+              if who in (str(node), f"{node}.{local_rank}"))
     epochs = []
     for epoch in range(1, (idle[1] if idle and idle[0] == node else args.epochs) + 1):
-        if lag and int(lag[0]) == node and epoch == args.epochs:
-            time.sleep(float(lag[1]))
+        if lag and epoch == args.epochs:
+            time.sleep(lag)
         sampler.set_epoch(epoch)
         samples, batches, longest, paused_s = [], [], 0.0, 0.0
         device_before, epoch_started = cgroup_read_bytes(args.device), time.monotonic()

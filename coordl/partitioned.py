@@ -130,6 +130,8 @@ EXCHANGE_ENV = "COORDL_PEER_EXCHANGE_S"
 EXCHANGE_TIMEOUT_S = 60.0
 """Default of how long, in all, an epoch start waits for the servers' maps (``COORDL_PEER_EXCHANGE_S``;
 servers start epochs together in DDP); a server whose peer server refuses connections is not waited for."""
+STORE_UP_S = 5.0
+"""How long a rank waits for the rendezvous store to accept once torch.distributed's group is up."""
 ADDRESS_WAIT_S = 0.5
 """The longest single wait of the address learner for a peer server's address in the store."""
 ADDRESS_RETRY_S = 0.05
@@ -392,11 +394,33 @@ def _local_address(topology: Topology) -> str:
             return "127.0.0.1"
 
 
-def _store(topology: Topology, prefix: str):
+def _store(topology: Topology, prefix: str, wait_s: float):
+    """The rendezvous store under ``prefix``, once its port accepts a connection: within ``wait_s``, else a
+    ``RuntimeError`` naming it (torch's own client would take about twice its timeout to say so)."""
     import torch.distributed as dist
-    store = dist.TCPStore(topology.master_addr, topology.master_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    address, deadline = (topology.master_addr, topology.master_port), time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic())).close()
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"coordl partitioned caching: the rendezvous store at MASTER_ADDR:MASTER_PORT "
+                                   f"{address[0]}:{address[1]} did not accept a connection within {wait_s:g} s ({e}); "
+                                   f"launch with torchrun, or set MASTER_ADDR and MASTER_PORT to torch.distributed's "
+                                   f"store ({EXCHANGE_ENV} sets the wait)") from None
+            time.sleep(ADDRESS_RETRY_S)
+    store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S))
     return dist.PrefixStore(prefix, store)
+
+
+def _store_wait_s(exchange_s: float) -> float:
+    """How long a rank waits for the rendezvous store to accept: :data:`STORE_UP_S` once torch.distributed's
+    group is up (its store is then up: a refusal means a wrong address), else ``exchange_s`` (rank 0 may
+    not have started it yet)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return min(STORE_UP_S, exchange_s)
+    return exchange_s
 
 
 def _seconds(name: str, default: float) -> float:
@@ -432,7 +456,8 @@ class PeerTier:
         self.prefix = f"coordl/{topology.run}/{dataset}/{ordinal}/"
         self.state = PeerState(self.n_items, topology.nodes, processes)
         self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
-        self._store = _store(topology, self.prefix)
+        self.exchange_s = _seconds(EXCHANGE_ENV, EXCHANGE_TIMEOUT_S)
+        self._store = _store(topology, self.prefix, _store_wait_s(self.exchange_s))
         self.secret = job_secret(topology)
         self.binding = loader_binding(self._store, self.prefix)
         self.storage_id = peer_server.storage_id(storage, source.raw_key(0) if self.n_items else None)
@@ -441,7 +466,6 @@ class PeerTier:
         self._maps_known = 0  # the last epoch begun
         self._absent: set[int] = set()  # servers missing from the last map: not waited for again
         self._said_missing: tuple = ()
-        self.exchange_s = _seconds(EXCHANGE_ENV, EXCHANGE_TIMEOUT_S)
         self._threads = None  # (pid, threading.local, every thread's connections): see _connections
         self._hand_off = None  # (pid, _HandOff): this process's sender
         self._address_wait_s = 0.0  # how long this process's sender has waited for peer addresses
@@ -572,7 +596,7 @@ class PeerTier:
         """In a thread of its own (with its own store client): learn ``nodes``' addresses as they appear, for
         at most ``COORDL_PEER_EXCHANGE_S`` or until ``stop`` is set (NOTE [ Threads at exit ])."""
         try:
-            store = _store(self.topology, self.prefix)
+            store = _store(self.topology, self.prefix, STORE_UP_S)
         except Exception as e:  # the job's store gone: hand-offs skip the servers not known yet
             logger.debug("coordl partitioned caching: peer addresses not learnt: %s", e)
             return

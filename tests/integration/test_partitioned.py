@@ -60,12 +60,13 @@ def dataset(source_root, tmp_path):
 
 
 def _run(cluster, root: str, out: str, *, epochs: int, cache_bytes, nproc: int, extra=(), wait=True,
-         peer_timeout_s: float | None = RELAXED_PEER_TIMEOUT_S, secret: str | None = SECRET):
+         peer_timeout_s: float | None = RELAXED_PEER_TIMEOUT_S, secret: str | None = SECRET, env=None):
     """Launch the job on every server (``peer_timeout_s``: ``COORDL_PEER_TIMEOUT_S``, None for the default,
-    which the tests of a dead peer's cost keep; ``secret``: ``COORDL_PEER_SECRET``, None for none); with
-    ``wait``, its results."""
+    which the tests of a dead peer's cost keep; ``secret``: ``COORDL_PEER_SECRET``, None for none; ``env``:
+    more variables); with ``wait``, its results."""
     os.makedirs(out, exist_ok=True)
-    env = {"COORDL_LOG_LEVEL": "INFO", **({"COORDL_PEER_SECRET": secret} if secret is not None else {})}
+    env = {"COORDL_LOG_LEVEL": "INFO", **({"COORDL_PEER_SECRET": secret} if secret is not None else {}),
+           **(env or {})}
     if peer_timeout_s is not None:
         env[TIMEOUT_ENV] = str(peer_timeout_s)
     cluster.launch_all(JOB, ["--root", root, "--out", out, "--epochs", str(epochs), "--cache-bytes", str(cache_bytes),
@@ -254,6 +255,47 @@ def test_a_peer_server_killed_mid_epoch_costs_storage_reads_not_samples_or_time(
     assert results[1]["stats"][2]["peer_hits"] > 0  # server 1's rank still reads from server 0
 
 
+def _unread_bytes(pid: int, port: int) -> int:
+    """Bytes waiting unread in the established connections to ``port`` in ``pid``'s network namespace."""
+    total = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for fields in (line.split() for line in lines):
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # ESTABLISHED
+                total += int(fields[4].split(":")[1], 16)
+    return total
+
+
+def test_a_peer_server_killed_with_requests_in_flight_costs_storage_reads_not_samples(make_cluster, dataset, tmp_path):
+    """Server 1's peer server is stopped (SIGSTOP) while the ranks are paused in epoch 2; they go on, and it is
+    SIGKILLed once server 0's requests are in flight (sent on kept connections, unread in its sockets). The
+    items they asked for come from storage: every sample once, with its file's bytes, no wait near the peer
+    timeout, server 1 said down once."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    _run(cluster, root, out, epochs=3, cache_bytes=sum(sizes), nproc=1, wait=False,
+         extra=["--pause", "2:1", "--batch-size", "4"])
+    paused = _wait_paused(out, [0, 1])
+    pid, port = paused[1]["server_pid"], paused[1]["address"][1]
+    os.kill(pid, signal.SIGSTOP)
+    open(os.path.join(out, "go"), "w").close()
+    deadline = time.monotonic() + 60
+    while not _unread_bytes(pid, port):
+        assert time.monotonic() < deadline, "no request reached the stopped peer server:\n" + cluster.log(0)[-3000:]
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    results = _results(cluster, out, 1)
+    _check_every_sample_once(results, crcs, 3)
+    assert _epoch_sum(results[:1], 2, "storage_bytes") > 0  # what server 1 was asked for
+    assert max(r["epochs"][1]["longest_wait_s"] for r in results) < RELAXED_PEER_TIMEOUT_S / 2
+    log = cluster.log(0)
+    assert log.count("server 1 (") == 1 and "is down" in log
+
+
 @pytest.mark.parametrize("gone", ["killed", "cut off"])
 def test_a_whole_server_gone_mid_epoch_leaves_the_others_every_sample_in_time(make_cluster, dataset, tmp_path, gone):
     """Server 1's every process SIGKILLed (its port refuses at once), or its network cut (nothing answers:
@@ -271,18 +313,88 @@ def test_a_whole_server_gone_mid_epoch_leaves_the_others_every_sample_in_time(ma
     else:
         assert cluster.exec(1, ["ip", "link", "set", "eth0", "down"]).wait(10) == 0
     open(os.path.join(out, "go"), "w").close()
-    # torchrun's agent on server 0 would wait for server 1 at its exit barrier: read the rank's results instead
+    survivor = _survivor(cluster, out, crcs, epochs=3)
+    assert max(survivor["epochs"][e]["longest_wait_s"] for e in (1, 2)) < 2.0
+
+
+def _survivor(cluster, out: str, crcs: list[int], epochs: int) -> dict:
+    """Server 0's rank's results once written (torchrun's agent there would wait for a gone server 1 at its
+    exit barrier), checked: every epoch its shard of the 2 ranks, each sample with its file's bytes."""
     path, deadline = os.path.join(out, "rank0.json"), time.monotonic() + 120
     while not os.path.exists(path):
         assert time.monotonic() < deadline, cluster.log(0)[-3000:]
         time.sleep(0.2)
     survivor = json.load(open(path))
     shard = _ShardOf(len(crcs))
-    for epoch in (1, 2, 3):
+    for epoch in range(1, epochs + 1):
         samples = survivor["epochs"][epoch - 1]["samples"]
-        assert sorted(i for i, _ in samples) == sorted(shard(epoch, rank=0, world=2))
-        assert all(crcs[i] == c for i, c in samples)
-    assert max(survivor["epochs"][e]["longest_wait_s"] for e in (1, 2)) < 2.0
+        assert sorted(i for i, _ in samples) == sorted(shard(epoch, rank=0, world=2)), f"epoch {epoch}"
+        assert all(crcs[i] == c for i, c in samples), f"epoch {epoch}: bytes that are not the file's"
+    return survivor
+
+
+_IMPOSTOR = r"""
+import json, os, sys
+from coordl.peer_server import PeerServer
+host, port, n, secret = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].encode()
+asked = []
+def lookup(i):
+    asked.append(i)
+    return b"another job's item", None
+server = PeerServer(lookup, n, secret, host, port, binding=os.urandom(16)).start()  # another job's loader
+print("serving", flush=True)
+sys.stdin.readline()
+server.close()
+print(json.dumps({"asked": len(asked)}), flush=True)
+"""
+
+
+def test_another_jobs_server_on_a_dead_servers_port_is_refused_and_nothing_of_it_is_used(make_cluster, dataset,
+                                                                                          tmp_path):
+    """Server 1 dies mid-epoch 2 and another job's peer server (the same secret, as a site-wide one would be, and
+    a dataset of the same size) takes its address and port: server 0's rank marks it down, says why once, and
+    reads server 1's items from storage; the impostor is never asked for an item."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    _run(cluster, root, out, epochs=3, cache_bytes=sum(sizes), nproc=1, wait=False,
+         extra=["--pause", "2:1", "--batch-size", "4"], env={"COORDL_PEER_EXCHANGE_S": "5"})
+    host, port = _wait_paused(out, [0, 1])[1]["address"]
+    cluster.kill(1)
+    impostor = cluster.exec(1, [sys.executable, "-c", _IMPOSTOR, host, str(port), str(len(crcs)), SECRET],
+                            stdin=-1, stdout=-1, text=True)
+    try:
+        assert impostor.stdout.readline().strip() == "serving"
+        open(os.path.join(out, "go"), "w").close()
+        survivor = _survivor(cluster, out, crcs, epochs=3)
+        impostor.stdin.write("stop\n")
+        impostor.stdin.flush()
+        assert json.loads(impostor.stdout.readline()) == {"asked": 0}
+    finally:
+        impostor.kill()
+        impostor.wait()
+    assert survivor["stats"][2]["peer_hits"] == 0  # epoch 3's map has no server 1
+    log = cluster.log(0)
+    assert log.count("server 1 (") == 1 and "serves another job or dataset" in log, log[-3000:]
+
+
+def test_an_epoch_whose_maps_a_rank_misses_still_gives_it_every_sample(make_cluster, dataset, tmp_path):
+    """Server 1 is up (its peer server answers) but starts epoch 2 past the exchange's limit, and server 0's local
+    rank 0, which publishes server 0's map, starts it 2 s after local rank 1: rank 1 gets no map at all, so every
+    item comes from storage, and it still gets its whole shard (once an empty epoch, torch ending it at a
+    ``StopIteration``)."""
+    root, crcs, sizes, _ = dataset
+    out = str(tmp_path / "out")
+    cluster = make_cluster(2)
+    results = _run(cluster, root, out, epochs=2, cache_bytes=sum(sizes), nproc=2,
+                   extra=["--lag", "1:8", "--lag", "0.0:2"], env={"COORDL_PEER_EXCHANGE_S": "4"})
+    _check_every_sample_once(results, crcs, 2)
+    shard = _ShardOf(len(crcs))
+    for rank, result in enumerate(results):
+        assert sorted(i for i, _ in result["epochs"][1]["samples"]) == sorted(shard(2, rank=rank, world=4))
+    late = results[1]["stats"][1]  # server 0's local rank 1 in epoch 2: no map, nothing from peers
+    assert late["peer_hits"] == 0 and late["storage_bytes"] > 0
+    assert "did not report their cache" in cluster.log(0)
 
 
 class _ShardOf:

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import select
+import socket
 import subprocess
 import sys
 import textwrap
@@ -171,6 +172,31 @@ def test_a_peer_host_that_names_no_address_is_refused(monkeypatch, host):
         partitioned._local_address(Topology.from_env(TORCHRUN))
     monkeypatch.setenv(partitioned.HOST_ENV, "node7.cluster")
     assert partitioned._local_address(Topology.from_env(TORCHRUN)) == "node7.cluster"
+
+
+@pytest.mark.parametrize("group_up", [False, True])
+def test_a_rendezvous_store_that_does_not_answer_fails_soon_naming_it(tmp_path, monkeypatch, group_up):
+    """MASTER_PORT is a closed port: the loader fails within ``COORDL_PEER_EXCHANGE_S`` (here 1 s) while no
+    process group is up (rank 0 may not have started the store yet), within 5 s once one is (its store is up:
+    this address is wrong), naming the address and the setting (torch's client took 103 s at the default)."""
+    import torch.distributed as dist
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    port = closed.getsockname()[1]
+    monkeypatch.setenv(partitioned.SECRET_ENV, SECRET)
+    monkeypatch.setattr(dist, "is_initialized", lambda: group_up)
+    if not group_up:
+        monkeypatch.setenv(partitioned.EXCHANGE_ENV, "1")
+    topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
+                                    master_addr="127.0.0.1", master_port=port, run="closed")
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=f"MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} did not accept a "
+                                               f"connection within {5 if group_up else 1} s .*COORDL_PEER_EXCHANGE_S"):
+            partitioned.PeerTier(topology, None, _Files(tmp_path), None, processes=1)
+        assert time.monotonic() - started < (8 if group_up else 4)
+    finally:
+        closed.close()
 
 
 def test_each_item_is_owned_by_the_lowest_server_holding_it():
@@ -563,6 +589,34 @@ def test_a_server_whose_copy_of_the_dataset_differs_is_marked_down_and_said_so_o
                 assert len(said) == 1 and "copy of the dataset differs" in said[0] and "0, 1, 2" in said[0], said
             else:
                 assert counters.totals()["peer_hits"] == 2 * len(served) and said == []
+    finally:
+        peer.close()
+
+
+def test_a_peer_found_down_is_tried_again_at_the_next_epoch_start(tmp_path, monkeypatch):
+    """Server 1 refuses this process's handshake in epoch 1 (another job's binding): it is marked down and the
+    batch comes from storage. Then it serves this job's loader; once epoch 2 has begun (its map exchange
+    through the rendezvous store), the next batch comes from it."""
+    files, storage = _Files(tmp_path), FileStorage(drop_page_cache=False)
+    served = {i: (raw, None) for i, raw in enumerate(files.read())}
+    peer = PeerServer(served.get, len(files), SECRET.encode(), "127.0.0.1").start()
+    try:
+        with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
+            tier = dataset.peers
+            peer.binding = os.urandom(wire.BINDING_BYTES)
+            _owned_by_server_1(dataset)
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert tier.state.down[1] == 1 and counters.totals()["peer_hits"] == 0
+            peer.binding = tier.binding
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert counters.totals()["peer_hits"] == 0  # down for the rest of the epoch
+            tier._store.set("e2/map/0", encode_map(np.zeros(len(files), dtype=bool), False))  # as local rank 0 would
+            tier._store.set("e2/map/1", encode_map(np.ones(len(files), dtype=bool), True))
+            tier.begin_epoch(1)
+            tier.begin_epoch(2)
+            assert tier.state.down[1] == 0 and list(tier.state.owner) == [1, 1, 1]
+            assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
+            assert counters.totals()["peer_hits"] == 3
     finally:
         peer.close()
 
