@@ -13,7 +13,7 @@ before one of the runs, and the prediction is their median (``predicted_spread``
 runs then see the same stretches of a machine whose speed moves.
 
 The multi-server rows (``--servers N``, default 2; 0: none) run the job over N servers with partitioned
-caching, each server a network and mount namespace of its own (``tests/cluster.py``) with its own cgroup
+caching, each server a network and mount namespace of its own (``harness/cluster.py``) with its own cgroup
 throttling the device to the row's MB/s, its own cache of the row's fraction of the dataset, one rank and
 one core (``taskset``): every server runs ``coordl analyze`` of its torchrun node at once, the prediction
 is the slowest server's, and the measured throughput a rank's (the ranks all-reduce after each step, so
@@ -23,7 +23,7 @@ Every run and every analysis gets a fresh cgroup and a shm folder of its own (no
 Memory is bounded: the cgroup (each server's, on the multi-server rows) holds the processes to what they
 hold, plus the row's cache as shared memory from the start, plus a page cache of :data:`PAGE_CACHE_BUDGET`
 bytes (the cache is the job's whole memory for data), the bound following them every 20 ms
-(``benchmarks.storage_env.MemoryFollower``): a run's (each server's, on a multi-server row) from the moment
+(``harness.storage_env.MemoryFollower``): a run's (each server's, on a multi-server row) from the moment
 its job has built its loader (its imports and start-up unbounded, as in ``benchmarks.coordprep``: in a short
 run they would make most of the samples), an analysis's from its start. Each run's page cache
 (99th percentile and peak), held memory and limit hits are recorded (``memory``) and a run over its budget is
@@ -51,8 +51,8 @@ from collections.abc import Callable
 
 from benchmarks import report
 from benchmarks.metrics import spread
-from coordl._shm import shm_dir
-from benchmarks.storage_env import (PREFIX, SLACK_BYTES, Cleanup, cgroup_version, device_read_bytes, evict_files,
+from coordl._core.shm import shm_dir
+from harness.storage_env import (PREFIX, SLACK_BYTES, Cleanup, cgroup_version, device_read_bytes, evict_files,
                                     over_budget, prepare_storage, run_child)
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analyzer_job.py")
@@ -61,7 +61,7 @@ QUICK = dict(fractions=(0.0, 1.0), mbps=(4.0,), workers=(1,), reps=1)
 SERVERS_FULL = dict(fractions=(0.25, 0.5), mbps=(10.0, 20.0, 40.0), workers=(1,))
 SERVERS_QUICK = dict(fractions=(0.25,), mbps=(20.0,), workers=(1,))
 PAGE_CACHE_BUDGET = 0
-"""The page cache each run may keep beyond :data:`~benchmarks.storage_env.SLACK_BYTES`: none, the job's
+"""The page cache each run may keep beyond :data:`~harness.storage_env.SLACK_BYTES`: none, the job's
 cache is its memory for data."""
 MEMORY_FIGURES = ("p99_page_cache_bytes", "peak_page_cache_bytes", "peak_held_bytes", "peak_shmem_bytes",
                   "limit_hits")
@@ -169,7 +169,7 @@ def _on_servers(storage, config: dict, work: str, argv_of, where: str, bounded: 
     start, or server k's from the moment ``measure_when(k)`` is true); the device bytes they read and each
     bounded server's :func:`memory_figures` (named with ``where``). Raises RuntimeError: one failed (with
     each server's log)."""
-    from tests.cluster import Cluster
+    from harness.cluster import Cluster
     n = config["servers"]
     cores = sorted(os.sched_getaffinity(0))
     with Cluster(n, os.path.join(work, f"cluster-{time.monotonic_ns()}"), device=storage.device,
@@ -307,7 +307,7 @@ def file_sizes(root: str) -> list[int]:
 def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
     """``images`` generated JPEGs copied onto a throttled loop device of their own, every page dropped so
     that each run starts cold: the work folder, the storage and the files' sizes."""
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
     work = cleanup.workdir(args.workdir)
     source = os.path.join(work, "train")
     print(f"generating {images} JPEGs ...", flush=True)
@@ -327,7 +327,7 @@ def warm_up(cleanup: Cleanup, storage, args, work: str, servers: int) -> None:
     the bounded runs then hold only their own pages. (A page first loaded in a measured group is squeezed
     out with the group's page cache and loaded again, charged again, by each process after it.) A ``--quick``
     run warms up with the part cache only: a cache that fills runs both the hits' code and the full cache's."""
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
     root = os.path.join(work, "warm-up")
     make_image_folder(root, 48, mean_side_px=args.mean_side_px, seed=args.seed + 1)
     whole = 2 * sum(file_sizes(root))

@@ -12,7 +12,7 @@ job the same workers (default: cores // K). With ``--backend dali`` the same two
 DALI jobs (``fn.readers.file``, reshuffled every epoch) against K coordl jobs with ``backend="dali"``
 in one hp_group, both decoding and augmenting with the ``image_classification`` preset on the CPU.
 
-Storage and memory as in ``benchmarks.minio`` (see :mod:`benchmarks.storage_env`): as root, the dataset
+Storage and memory as in ``benchmarks.minio`` (see :mod:`harness.storage_env`): as root, the dataset
 sits on a loop device of its own whose reads are throttled to ``--read-mbps`` and counted, and each
 system's K jobs share one memory cgroup with a budget of ``--memory-fraction`` of the dataset: the
 baseline's page cache gets all of it; coordl's staging area (``hp_staging_bytes``) comes out of it and
@@ -51,10 +51,10 @@ import time
 
 from benchmarks.metrics import spread
 from benchmarks.report import NO_PLOTS, axes, machine, provenance, save, spread_text, write_json_and_markdown
-from benchmarks.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
+from coordl._core.sysinfo import cpu_seconds as process_cpu_seconds, descendants
+from coordl.analyzer.process_group import stop_group
+from harness.storage_env import (HEADROOM_BYTES, PREFIX, Cleanup, MemoryFollower, Storage, device_read_bytes,
                                     evict_files, over_budget, prepare_storage, tree_bytes)
-from coordl._proc_group import stop_group
-from coordl._sysinfo import cpu_seconds as process_cpu_seconds, descendants
 
 SYSTEMS = {"torch": ("torch", "coordl"), "dali": ("dali", "coordl-dali")}
 """Per --backend: the baseline (K independent jobs) and the coordl system (K jobs in one hp_group)."""
@@ -133,7 +133,7 @@ def run_child(args) -> None:
 
     import coordl
 
-    from coordl.dali_pipeline import file_reader_loader
+    from harness.dali_baseline import file_reader_loader
 
     grouped = args.child.startswith("coordl")
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
@@ -236,7 +236,7 @@ def _run_jobs(system: str, args, root: str, cgroup, workdir: str, staging, epoch
         for proc in procs:  # each job with its workers (its own session), and torch's segments they left
             stop_group(proc, grace_s=0)
         if system.startswith("coordl"):  # jobs killed early leave their group behind; none is alive now
-            from coordl.coord_prep import group_segment_name, remove_group
+            from coordl._group.membership import group_segment_name, remove_group
             remove_group(group_segment_name(group))
         if follower:
             memory = follower.stop()
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
         args.images, args.epochs, args.batch_size = 192, 2, 16
     args.workers = args.workers or max(1, (os.cpu_count() or 1) // args.jobs)
 
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
 
     with Cleanup() as cleanup:  # also on Ctrl-C and SIGTERM
         workdir = tempfile.mkdtemp(prefix="coordl-coordprep-", dir="/var/tmp")  # on disk, not tmpfs

@@ -37,12 +37,12 @@ import torch
 import torchvision
 from torchvision import transforms as T
 
-import coordl
 from benchmarks import report
 from benchmarks.metrics import spread
-from benchmarks.storage_env import tree_bytes
-from coordl import dali_presets
-from coordl.synthetic import make_image_folder
+import coordl
+from coordl._dali import presets as dali_presets
+from coordl._demo.synthetic import make_image_folder
+from harness.storage_env import tree_bytes
 
 BATCH_SIZE = 64
 SYSTEMS = ("feed", "dali-feed", "coordl-dali-cpu", "coordl-dali-gpu", "coordl-torch")
@@ -60,7 +60,7 @@ dali_presets.PRESETS.setdefault(FEED_ONLY, _feed_only)
 
 def _loader(system: str, root: str, workers: int, batch_size: int):
     if system == "dali-feed":
-        from coordl.dali_pipeline import file_reader_loader
+        from harness.dali_baseline import file_reader_loader
         return file_reader_loader(root, order="shuffle", batch_size=batch_size, num_threads=workers,
                                   pipeline=_feed_only)
     common = dict(batch_size=batch_size, shuffle=True, num_workers=workers, cache_bytes=2 * tree_bytes(root),

@@ -50,10 +50,10 @@ import torch
 import torchvision
 from torchvision import transforms as T
 
-import coordl
 from benchmarks import report
-from benchmarks.storage_env import tree_bytes
-from coordl.synthetic import make_image_folder
+import coordl
+from coordl._demo.synthetic import make_image_folder
+from harness.storage_env import tree_bytes
 
 SYSTEMS = ("synthetic", "torch", "coordl", "coordl-dali", "dali")
 DALI_SYSTEMS = ("coordl-dali", "dali")
@@ -72,10 +72,10 @@ def build_loader(system: str, root: str, *, workers: int, batch_size: int, cache
     dali_device = "gpu" if device == "cuda" else "cpu"
     preset = "image_classification"
     if hw_decoder_load is not None:
-        from coordl.dali_presets import image_classification
+        from coordl._dali.presets import image_classification
         preset = functools.partial(image_classification, hw_decoder_load=hw_decoder_load)
     if system == "dali":
-        from coordl.dali_pipeline import file_reader_loader
+        from harness.dali_baseline import file_reader_loader
         return file_reader_loader(root, order="shuffle", batch_size=batch_size, num_threads=workers,
                                   device=dali_device, pipeline=preset)
     common = dict(batch_size=batch_size, shuffle=True, num_workers=workers, pin_memory=device == "cuda",
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
         return 2
     systems = [s for s in args.systems.split(",") if s]
     if any(s in DALI_SYSTEMS for s in systems):
-        from coordl.dali_pipeline import require_dali
+        from coordl._dali.pipeline import require_dali
         require_dali()
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="coordl-gpu-stall-")

@@ -97,7 +97,7 @@ def clock(system: str):
 @contextlib.contextmanager
 def _live_split_clock(read):
     """The live split reads its clock with ``read()`` (None: the real clock) while this lasts."""
-    from coordl import cached_dataset
+    from coordl._fetch import cached_dataset
 
     real = cached_dataset.time
     if read is not None:
@@ -150,8 +150,8 @@ def timer_cost(root: str, workload: str, batch_size: int, rounds: int = 15) -> d
     round, one pass over every batch with the clock and one without (the order alternating), in µs per
     batch (median and min–max over ``rounds``); the cost is the best timed pass less the best untimed
     one (the least disturbed of each), in µs and as a fraction of the best timed pass."""
-    import coordl
     from benchmarks.metrics import spread
+    import coordl
 
     with coordl.DataLoader(dataset(root, workload), batch_size=batch_size, cache_bytes="1GiB") as dl:
         cached = dl.dataset
@@ -213,8 +213,8 @@ def generated_dataset(args, prefix: str):
     """``args.images`` generated JPEGs of ``args.mean_side_px`` in a temporary folder named ``prefix...``, the
     loaders' caches in a shm folder of their own (``COORDL_SHM_DIR`` while this lasts), both removed at the end:
     the root."""
-    from coordl._constants import SHM_DIR_ENV
-    from coordl.synthetic import make_image_folder
+    from coordl._core.settings import SHM_DIR_ENV
+    from coordl._demo.synthetic import make_image_folder
 
     work, previous = tempfile.mkdtemp(prefix=prefix), os.environ.get(SHM_DIR_ENV)
     shm = tempfile.mkdtemp(prefix=prefix, dir=previous or "/dev/shm")

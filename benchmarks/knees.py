@@ -27,7 +27,7 @@ import sys
 
 from benchmarks import analyzer, report
 from benchmarks.metrics import spread
-from benchmarks.storage_env import Cleanup, cgroup_version
+from harness.storage_env import Cleanup, cgroup_version
 
 FULL = dict(settings=((20.0, 1), (10.0, 2)), reps=2, step=0.05)
 QUICK = dict(settings=((10.0, 1),), reps=1, step=0.5)

@@ -2,7 +2,7 @@
 
 The dataset is split evenly at random over p servers (one rank each, as in Fig. 6 of the locality-aware
 loading paper), global batches of p x b samples are drawn from random permutations, and each is
-reassigned with ``coordl.locality.assign``. A batch's imbalance is the samples balancing must move
+reassigned with ``coordl._peer.locality.assign``. A batch's imbalance is the samples balancing must move
 between servers (the sum of the deficits) over the global batch; its median over many batches is set
 beside the closed form beta = sqrt((1 - 1/p) / (2 pi b)) (each server's count is Binomial(p b, 1/p); a
 deficit's mean is its standard deviation / sqrt(2 pi)). Every batch also checks Algorithm 1: the volume it
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from benchmarks import report
-from coordl.locality import assign, balance
+from coordl._peer.locality import assign, balance
 
 
 def closed_form(servers: int, local_batch: int) -> float:

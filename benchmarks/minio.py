@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from benchmarks import cache_sim, metrics, report
-from benchmarks.storage_env import (BUDGET_TOLERANCE, FOLLOW_WINDOW_S, HEADROOM_BYTES, PREFIX, SLACK_BYTES,
+from harness.storage_env import (BUDGET_TOLERANCE, FOLLOW_WINDOW_S, HEADROOM_BYTES, PREFIX, SLACK_BYTES,
                                     ChildResult, Cleanup, Storage, evict_files, over_budget, prepare_storage,
                                     run_child, tree_bytes, warm_files)
 from benchmarks.systems import COORDL_SYSTEMS, PREP_SYSTEMS, SYSTEMS, child_command, skip_reason
@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _remove_caches(tag: str) -> None:
     """Remove the coordl caches this run created (named after ``tag``), also if a child was killed."""
-    from coordl.minio_cache import list_caches, remove_cache
+    from coordl._cache.minio import list_caches, remove_cache
 
     for stats in list_caches():
         if getattr(stats, "label", "").startswith(tag):  # (caches of other versions have none)
@@ -122,7 +122,7 @@ class Bench:
         self.dataset_page_bytes = sum(-(-size // PAGE_BYTES) * PAGE_BYTES for size in sizes)
         self.store = None
         if storage.mode == "emulated":
-            from coordl.emulated_store import EmulatedStore
+            from coordl._demo.emulated_store import EmulatedStore
 
             socket_dir = cleanup.workdir(tempfile.gettempdir())  # a short path: socket names are limited
             self.store = EmulatedStore(os.path.join(socket_dir, "store.sock"), self.bandwidth, 0)
@@ -167,7 +167,7 @@ class Bench:
         """Run ``system`` from a cold page cache with a memory budget of ``cache_fraction`` of the
         dataset: its page cache (torch, DALI; of the dataset in whole pages) or its MinIO cache
         (coordl). Returns its ``runs`` entry (for repetition ``rep``), with an ``error`` if its page
-        cache broke its budget (:func:`~benchmarks.storage_env.over_budget`).
+        cache broke its budget (:func:`~harness.storage_env.over_budget`).
 
         At cache fraction 1.0 (cgroup mode) the run compares prep, not storage: the dataset is in
         the page cache from the start and memory is not bounded, for every system (coordl's epoch 1
@@ -236,7 +236,7 @@ def run_order(reps: int, fractions: list[float], systems: list[str]) -> list[tup
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
 
     tag = f"{PREFIX}-{os.getpid()}"
     load_at_start = os.getloadavg()

@@ -2,7 +2,7 @@
 
 Each server is a network and mount namespace of this machine with its own /dev/shm, its own torchrun and
 its own cgroups: blkio throttles and counts its reads of the dataset's loop device, memory bounds it to
-what its processes hold plus ``--page-cache-mib`` of page cache (``tests/cluster.py``): N servers with N
+what its processes hold plus ``--page-cache-mib`` of page cache (``harness/cluster.py``): N servers with N
 disks of ``--read-mbps`` each, one rank per server, DDP-style (an all-reduce after every step of
 ``--step-ms``). Samples are raw bytes (a crc32, no decode), so storage
 is the bottleneck wherever it is read. Modes, at an aggregate cache (all servers' caches together) of 50%
@@ -39,7 +39,7 @@ import time
 from benchmarks import report
 from benchmarks.locality import closed_form
 from benchmarks.metrics import spread
-from benchmarks.storage_env import FS_BLOCK, Cleanup, copy_to_loop_disk, evict_files, over_budget
+from harness.storage_env import FS_BLOCK, Cleanup, copy_to_loop_disk, evict_files, over_budget
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "partitioned_job.py")
 MODES = ("full-local", "uncoordinated", "partitioned", "locality", "peer-death")
@@ -83,7 +83,7 @@ def cache_bytes(fraction: float, sizes: list[int], nodes: int) -> int:
 
 def run_one(point: dict, root: str, device: str, sizes: list[int], args, workdir: str) -> dict:
     """One run of ``point`` on a fresh cluster; its epochs summed over servers, and per-server detail."""
-    from tests.cluster import Cluster
+    from harness.cluster import Cluster
 
     nodes = point["nodes"]
     out = os.path.join(workdir, "out")
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     setup = {"machine": report.machine(), "provenance": report.provenance(), "config": vars(args),
              "dataset_bytes": dataset_bytes, "dataset_on": "loop device, one blkio cgroup per server",
              "memory": "each server bounded to what its processes hold plus --page-cache-mib of page cache",
-             "servers": "network + mount namespaces (tests/cluster.py), torchrun per server"}
+             "servers": "network + mount namespaces (harness/cluster.py), torchrun per server"}
     result = {"dataset_bytes": dataset_bytes, "summary": rows, "runs": runs, "setup": setup}
     text = markdown(rows, setup)
     os.makedirs(args.out, exist_ok=True)

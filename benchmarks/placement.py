@@ -2,7 +2,7 @@
 
 Partitioned caching needs each item in at most one server's cache. Two ways to decide which:
 
-* ``first-come``: what coordl does (``coordl.partitioned`` NOTE [ Ownership ], [ Hand-off ]): a server
+* ``first-come``: what coordl does (``coordl._peer.tier`` NOTE [ Ownership ], [ Hand-off ]): a server
   caches what its ranks read from storage while its cache has room; once full, it hands what it reads
   to the next server that still has room; the map of who holds what is exchanged at epoch starts.
   ``first-come, no hand-off`` is the same without handing off (coordl before hand-offs).

@@ -66,8 +66,8 @@ def loader(system: str, root: str, workers: int, batch_size: int):
     workload, coordl's cache sized "auto")."""
     import torch
 
-    import coordl
     from benchmarks.hotpath import bytes_collate, dataset
+    import coordl
 
     options = dict(batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
                    collate_fn=bytes_collate)
@@ -90,7 +90,7 @@ def prep_cost_s(workdir: str) -> dict:
     from PIL import Image
     from torchvision import transforms as T
 
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
 
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="coordl-scale-prep-", dir=workdir)
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     from benchmarks import report
     from benchmarks.construction import generate, trial
     from benchmarks.metrics import spread
-    from coordl._constants import SHM_DIR_ENV
+    from coordl._core.settings import SHM_DIR_ENV
 
     shm = tempfile.mkdtemp(prefix="coordl-scale-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
     os.environ[SHM_DIR_ENV] = shm  # this run's caches, removed at the end

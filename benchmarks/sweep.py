@@ -16,7 +16,7 @@ import os
 import sys
 
 from benchmarks import minio, report
-from benchmarks.storage_env import Cleanup
+from harness.storage_env import Cleanup
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -85,7 +85,7 @@ def plot(points: list[dict], path: str) -> bool:
 
 def main(argv=None) -> int:
     args, rest = parse_args(argv)
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
 
     os.makedirs(args.out, exist_ok=True)
     points, status = [], 0

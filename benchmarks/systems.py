@@ -33,9 +33,9 @@ def skip_reason(system: str, storage_mode: str) -> str | None:
         if storage_mode == "emulated" and system != "prep-dali":
             return "DALI's file reader reads the disk itself; it cannot use the emulated store"
         try:
-            importlib.import_module("coordl.dali_pipeline").file_reader_loader
+            importlib.import_module("harness.dali_baseline").file_reader_loader
         except (ImportError, AttributeError) as e:
-            return f"coordl.dali_pipeline.file_reader_loader is unavailable ({e})"
+            return f"harness.dali_baseline.file_reader_loader is unavailable ({e})"
         return None
     import coordl
 
@@ -60,7 +60,7 @@ def build_loader(spec: dict):
     import torch.utils.data
     import torchvision
 
-    from coordl.emulated_store import StoreClient, StoreImageLoader
+    from coordl._demo.emulated_store import StoreClient, StoreImageLoader
 
     system, root, socket_path = spec["system"], spec["root"], spec.get("store_socket")
     if system in PREP_SYSTEMS:
@@ -72,7 +72,7 @@ def build_loader(spec: dict):
     extra = {} if socket_path is None or system != "torch" else {"loader": StoreImageLoader(socket_path)}
     dataset = torchvision.datasets.ImageFolder(root, transform=_torch_transform(), **extra)
     if system.startswith("dali-"):
-        from coordl.dali_pipeline import file_reader_loader
+        from harness.dali_baseline import file_reader_loader
 
         loader = file_reader_loader(root, order=system.removeprefix("dali-"), batch_size=spec["batch_size"],
                                     num_threads=max(spec["workers"], 1), device="cpu", seed=spec["seed"])
@@ -105,7 +105,7 @@ _PREP_BYTES: list[bytes] = []
 
 def _torch_prep(indices: list[int]) -> int:
     """Decode and augment these samples as the torch systems' workers do, and drop the results."""
-    from coordl.raw_datasets import decode_image
+    from coordl._fetch.raw_datasets import decode_image
 
     transform = _torch_transform()
     for i in indices:
@@ -146,7 +146,7 @@ class DaliPrep:
         import numpy as np
         from nvidia.dali import Pipeline, fn, types
 
-        from coordl.dali_presets import image_classification
+        from coordl._dali.presets import image_classification
 
         self.encoded = [np.frombuffer(b, dtype=np.uint8) for b in _read_all(paths)]
         self.labels, self.batch_size = labels, spec["batch_size"]
@@ -207,10 +207,10 @@ def run(spec: dict) -> None:
     """Run ``spec["epochs"]`` epochs and print a JSON line for each, then ``{"cache": ...}``.
 
     spec keys: system, root, batch_size, workers, epochs, compute_ms, cache_bytes, cache_name,
-    seed, counter (see :func:`benchmarks.storage_env.device_read_bytes`), store_socket (emulated
+    seed, counter (see :func:`harness.storage_env.device_read_bytes`), store_socket (emulated
     mode, else None).
     """
-    from benchmarks.storage_env import device_read_bytes
+    from harness.storage_env import device_read_bytes
 
     before, started = device_read_bytes(spec["counter"]), time.perf_counter()
     loader, targets = build_loader(spec)

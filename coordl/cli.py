@@ -6,8 +6,8 @@ import sys
 from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
-from coordl._shm import Unreadable, shm_dir
-from coordl._sizes import format_bytes, parse_bytes
+from coordl._core.shm import Unreadable, shm_dir
+from coordl._core.sizes import format_bytes, parse_bytes
 
 
 def _print_unreadable(found: list) -> None:

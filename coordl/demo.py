@@ -1,6 +1,6 @@
 """``coordl demo``: torch's DataLoader against coordl with the same memory, on a slow emulated disk.
 
-Both systems read the same generated JPEGs through one :class:`~coordl.emulated_store.EmulatedStore`
+Both systems read the same generated JPEGs through one :class:`~coordl._demo.emulated_store.EmulatedStore`
 (a disk throttled to ``read_mbps`` that counts the bytes it reads) and get the same memory budget,
 ``cache_fraction`` of the dataset: torch as the store's LRU page cache, coordl as its MinIO cache
 (its reads drop their pages, so its page cache is empty).
@@ -16,9 +16,9 @@ import torchvision
 from torchvision import transforms as T
 from tqdm import tqdm  # not tqdm.auto: it calls iter() on the loader twice
 
-from coordl.emulated_store import EmulatedStore, StoreClient, StoreImageLoader
+from coordl._demo.emulated_store import EmulatedStore, StoreClient, StoreImageLoader
+from coordl._demo.synthetic import make_image_folder
 from coordl.loader import DataLoader
-from coordl.synthetic import make_image_folder
 
 MiB = 2**20
 SEED = 0  # both systems draw the same epoch orders

@@ -19,18 +19,18 @@ import torch.utils.data
 from torch.utils.data.dataloader import _DatasetKind
 from tqdm.auto import tqdm
 
-from coordl._constants import DEFAULT_GROUP_TIMEOUT_S
-from coordl._group_config import check_group_compatible, check_group_options
-from coordl._logging import configure_from_env
-from coordl._shm import shm_dir
-from coordl._sizes import format_bytes, parse_size_option
+from coordl._cache.setup import CACHE_VERIFY, wrap_dataset
+from coordl._core.log import configure_from_env
+from coordl._core.settings import DEFAULT_GROUP_TIMEOUT_S
+from coordl._core.shm import shm_dir
+from coordl._core.sizes import format_bytes, parse_size_option
+from coordl._epochs.batch_sampler import EpochBatchSampler, EpochSampler
+from coordl._epochs.ledger import EpochLedger
+from coordl._fetch.cached_dataset import CachedDataset, PreparedCollate, SampleCounters
+from coordl._fetch.raw_datasets import raw_source
+from coordl._group.config import check_group_compatible, check_group_options
+from coordl._peer.locality import LocalityPlan, locality_plan
 from coordl.analyzer import phases as analyzer_phases
-from coordl.batch_sampler import EpochBatchSampler, EpochSampler
-from coordl.cache_setup import CACHE_VERIFY, wrap_dataset
-from coordl.cached_dataset import CachedDataset, PreparedCollate, SampleCounters
-from coordl.epoch_ledger import EpochLedger
-from coordl.locality import LocalityPlan, locality_plan
-from coordl.raw_datasets import raw_source
 from coordl.stats import LoaderStats
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def _use_dali(backend, dataset, batch_size, batch_sampler) -> bool:
         raise ValueError(f"backend should be 'torch', 'dali' or 'auto', but got backend={backend!r}")
     if backend == "torch":
         return False
-    from coordl.dali_pipeline import dali_available, require_dali, target_reader
+    from coordl._dali.pipeline import dali_available, require_dali, target_reader
     unbatched = batch_size is None and batch_sampler is None
     source, why = raw_source(dataset.dataset if isinstance(dataset, CachedDataset) else dataset,
                              decode=False)
@@ -97,7 +97,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             Defaults to ``"torch"``.
         dali_pipeline: ``"image_classification"``, ``"object_detection"``, ``"audio_classification"``
             or a function ``(encoded, target, *, device, train) -> outputs`` building a DALI graph
-            (see :mod:`coordl.dali_presets`). Defaults to ``"image_classification"``.
+            (see :mod:`coordl._dali.presets`). Defaults to ``"image_classification"``.
         dali_device: ``"cpu"`` or ``"gpu"`` (GPU decoding; outputs on the GPU). Defaults to ``"cpu"``.
         dali_train: use the preset's training augmentation rather than its eval transform.
             Defaults to None: training when the loader shuffles.
@@ -126,13 +126,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             The dataset and batch settings are still compared. Defaults to None: compare them.
         partitioned: in a job that spans several servers (torchrun), make the servers' caches one
             aggregate cache: a local miss is fetched from the server that caches the item before
-            storage (see :mod:`coordl.partitioned`). ``"auto"``: on when torch.distributed's
+            storage (see :mod:`coordl._peer.tier`). ``"auto"``: on when torch.distributed's
             environment shows several servers and the cache is on (never with ``hp_group``); ``True``:
             insist (fails without that environment, with ``cache_bytes=0`` or with ``hp_group``);
             ``False``: off. Defaults to ``"auto"``.
         locality_aware: in a partitioned job with a ``DistributedSampler``, keep every global batch as the
             sampler drew it but give each rank the samples its own server caches (balanced so each rank
-            still gets ``batch_size``), so little crosses the network (see :mod:`coordl.locality`). The
+            still gets ``batch_size``), so little crosses the network (see :mod:`coordl._peer.locality`). The
             all-reduced gradient of each step is unchanged; what changes is which rank computes which
             sample, so per-rank batch contents (and per-rank BatchNorm statistics) differ from torch's.
             Defaults to False.
@@ -198,7 +198,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                                partitioned=False if hp_group is not None and partitioned == "auto" else partitioned)
         dali = None
         if use_dali:
-            from coordl.dali_pipeline import DaliBackend
+            from coordl._dali.pipeline import DaliBackend
             dali = DaliBackend(
                 wrapped, pipeline=dali_pipeline, device=dali_device,
                 train=bool(shuffle or sampler is not None) if dali_train is None else bool(dali_train),
@@ -241,7 +241,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """The feed of prepared batches: the group's (hp_group), else the DALI pipeline's."""
         user_collate = self.collate_fn
         if self.hp_group is not None:
-            from coordl.group_feed import GroupFeed, join_group
+            from coordl._group.feed import GroupFeed, join_group
             group = join_group(self.hp_group, self.dataset, batch_size=self.batch_size, drop_last=self.drop_last,
                                shuffled=self._shuffled(), generator=self.generator, collate_fn=user_collate,
                                dali=dali, size=self.hp_group_size, staging_bytes=staging_bytes,
@@ -253,7 +253,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                                  dali=dali)
             if dali is None:  # running uncoordinated, on torch's own workers after all
                 return None
-        from coordl.dali_pipeline import DaliFeed
+        from coordl._dali.pipeline import DaliFeed
         return DaliFeed(dali)
 
     def _install(self, ledger: EpochLedger, locality=None) -> None:

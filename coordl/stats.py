@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from coordl.coord_prep import GroupStats
-from coordl.minio_cache import CacheStats
+from coordl._cache.minio import CacheStats
+from coordl._group.membership import GroupStats
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from coordl import _peer_wire as wire
+from coordl._peer import wire
 
 GREETING = len(wire.HELLO) + wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.SAMPLE_BYTES + wire.BINDING_BYTES
 _ANSWER = 2 * wire.NONCE_BYTES + wire.STORAGE_ID_BYTES + wire.SAMPLE_BYTES + wire.BINDING_BYTES

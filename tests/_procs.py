@@ -11,13 +11,13 @@ import signal
 import sys
 import time
 
-from coordl._sysinfo import descendants
+from coordl._core.sysinfo import descendants
 
 JOIN_TIMEOUT = 60
 """Seconds a test process may run. Generous: CI machines are small and shared."""
 
 
-PRELOADED = ["torch", "torchvision", "coordl.loader", "coordl.dali_pipeline"]
+PRELOADED = ["torch", "torchvision", "coordl.loader", "coordl._dali.pipeline"]
 """What the jobs' forkserver imports once, so that a job starts without paying for it (seconds of CPU each)."""
 
 
@@ -137,7 +137,7 @@ def hammer_puts(name: str, n_items: int, item_bytes: int, capacity: int, seed: i
     """Once ``go`` is set, insert every item (content derived from its index) in a random order,
     forever, until killed. With ``pause_after``: the insert after that many stops once its slot is
     reserved, before its bytes are copied, sets ``paused`` and waits to be killed there."""
-    from coordl.minio_cache import MinIOCache
+    from coordl._cache.minio import MinIOCache
     cache = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32), label="test")
     cache.stats()
     if pause_after is not None:  # wrap the two steps put takes under the cache's lock
@@ -177,7 +177,7 @@ def item_payload(index: int, size: int) -> bytes:
 def put_all_and_report(name: str, n_items: int, capacity: int, seed: int, results, barrier):
     """Together with the others at ``barrier``: insert every item once in a random order, check
     every item's content, and report how many inserts this process won."""
-    from coordl.minio_cache import MinIOCache
+    from coordl._cache.minio import MinIOCache
     cache = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32), label="test")
     cache.stats()
     order = random.Random(seed).sample(range(n_items), n_items)
@@ -192,7 +192,7 @@ def put_all_and_report(name: str, n_items: int, capacity: int, seed: int, result
 
 def hold_lock_then_die(name: str, n_items: int, capacity: int, locked_event):
     """Take the cache's lock and die with SIGKILL while holding it."""
-    from coordl.minio_cache import MinIOCache
+    from coordl._cache.minio import MinIOCache
     cache = MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=bytes(32), label="test")
     cache.stats()
     with cache._segment.locked():
@@ -375,7 +375,7 @@ def hp_job(root: str, n: int, group: str, epochs: int, results, options: dict, s
 
 def join_group_then_die(group: str, joined):
     """Join hp_group ``group``, start its first epoch, then die by SIGKILL (leaving a stale group)."""
-    from coordl.coord_prep import HPGroup
+    from coordl._group.membership import HPGroup
     member = HPGroup(group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
     member.join()
     member.start_epoch()
@@ -387,7 +387,7 @@ def agree_peer_secret(rank: int, world: int, store_port: int, out: str):
     """Join a gloo group of ``world`` through the store at ``store_port`` as ``rank``, agree on the peers'
     secret as a partitioned loader does (none given), and write it to ``out`` (hex)."""
     import torch.distributed as dist
-    from coordl import partitioned
+    from coordl._peer import tier as partitioned
     for name in (partitioned.SECRET_ENV, partitioned.SECRET_FILE_ENV):
         os.environ.pop(name, None)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)

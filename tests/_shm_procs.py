@@ -16,7 +16,7 @@ FINGERPRINT = bytes(range(32))
 
 
 def _cache(name: str, n_items: int = 8, capacity: int = 1 << 16):
-    from coordl.minio_cache import MinIOCache
+    from coordl._cache.minio import MinIOCache
     return MinIOCache(name, n_items=n_items, capacity_bytes=capacity, fingerprint=FINGERPRINT, label="shm-core test")
 
 
@@ -52,7 +52,7 @@ def _sleep_forever() -> None:
 def map_staged_then_fork(name: str, mapped) -> None:
     """Map staged segment ``name`` as a consumer does (claimed, then a private mapping; the segment itself
     closed), fork a child that inherits the mapping, put ``(pid, child pid)`` on ``mapped``, then sleep."""
-    from coordl._shm import open_unlocked
+    from coordl._core.shm import open_unlocked
     segment = open_unlocked(name)
     mapping = segment.private_map(0, segment.size)
     segment.close()
@@ -67,7 +67,7 @@ def map_staged_then_fork(name: str, mapped) -> None:
 def fork_then_die_holding_locks(cache_name: str, group: str, locked) -> None:
     """Attach a cache and a group, fork a long-lived child (as DataLoader workers are forked), take both
     mutexes, then die by SIGKILL while holding them. The child lives on (the test kills it)."""
-    from coordl.coord_prep import HPGroup
+    from coordl._group.membership import HPGroup
     cache = _cache(cache_name)
     cache.stats()
     member = HPGroup(group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
@@ -82,7 +82,7 @@ def fork_then_die_holding_locks(cache_name: str, group: str, locked) -> None:
 
 def hold_locks_then_stop(cache_name: str, group: str, locked) -> None:
     """Attach a cache and a group, take both mutexes, then stop (SIGSTOP) while holding them."""
-    from coordl.coord_prep import HPGroup
+    from coordl._group.membership import HPGroup
     cache = _cache(cache_name)
     cache.stats()
     member = HPGroup(group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
@@ -98,7 +98,7 @@ def share_until_released(folder: str, tag: str, cache_name: str, group: str) -> 
     """A job (possibly in its own PID namespace): attach a cache and a group, write ``<tag>.ready``
     with what it sees (users of the cache, live members of the group), wait for ``<tag>.go``, write
     what it sees then, and leave."""
-    from coordl.coord_prep import HPGroup
+    from coordl._group.membership import HPGroup
     cache = _cache(cache_name)
     cache.put(0, b"x" * 100)
     member = HPGroup(group, config={"batch_size": "4"}, n_batches=3, seed=1, staging_bytes=1 << 20)
@@ -140,7 +140,7 @@ def attach_and_die(cache_name: str, done) -> None:
 
 def attach_other_dataset(cache_name: str, done) -> None:
     """Attach another dataset's cache (which reclaims dead ones), say so, close."""
-    from coordl.minio_cache import MinIOCache
+    from coordl._cache.minio import MinIOCache
     cache = MinIOCache(cache_name, n_items=3, capacity_bytes=4096, fingerprint=bytes(32), label="other")
     cache.stats()
     done.set()

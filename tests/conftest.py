@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from coordl._constants import ANALYZE_TIME_SCALE_ENV, SHM_DIR_ENV
-from coordl.synthetic import make_image_folder
-from coordl._sysinfo import descendants
+from coordl._core.settings import ANALYZE_TIME_SCALE_ENV, SHM_DIR_ENV
+from coordl._core.sysinfo import descendants
+from coordl._demo.synthetic import make_image_folder
 from tests._procs import forkserver_descendants, start_forkserver
 
 pytest_plugins = ["pytester"]

@@ -76,11 +76,11 @@ import time
 
 import torch
 
-from coordl._constants import ANALYZE_TIME_SCALE_ENV
-from coordl._sysinfo import cpu_seconds
+from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
+from coordl._core.sysinfo import cpu_seconds
+from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
+from coordl._peer.tier import EXCHANGE_ENV
 from coordl.analyzer.phase_env import CLAIMED, ITERS_ENV, PHASE_ENV, PHASES, RESULT_ENV, WARMUP_ENV  # noqa: F401
-from coordl.cached_dataset import CachedDataset, SampleCounters
-from coordl.partitioned import EXCHANGE_ENV
 
 PREP_MIN_BATCHES = 4
 """Batches' worth of cached samples P is measured over through the cache; with fewer, from memory."""
@@ -458,14 +458,14 @@ def _stop_loading(loader, iterator, batch):
 def _dali(ledger):
     """The DALI backend of a loader (its ``epoch_ledger``), where DALI prepares its batches on their own (no
     hp_group), else None."""
-    from coordl.dali_pipeline import DaliFeed
+    from coordl._dali.pipeline import DaliFeed
     feed = ledger.feed
     return feed.backend if isinstance(feed, DaliFeed) else None
 
 
 def _group_feed(ledger):
     """The hp_group feed of a loader (its ``epoch_ledger``), else None."""
-    from coordl.group_feed import GroupFeed
+    from coordl._group.feed import GroupFeed
     feed = ledger.feed
     return feed if isinstance(feed, GroupFeed) else None
 

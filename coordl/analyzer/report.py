@@ -3,7 +3,7 @@
 import json
 import math
 
-from coordl._sizes import format_bytes
+from coordl._core.sizes import format_bytes
 from coordl.analyzer.model import BOTTLENECKS, Pipeline, answers
 
 FORMAT = "coordl-analysis/1"

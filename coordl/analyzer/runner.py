@@ -17,10 +17,10 @@ import sys
 import tempfile
 import time
 
-from coordl._proc_group import WATCH_S, stop_group, watch
-from coordl._shm import SHM_DIR_ENV, shm_dir
+from coordl._core.shm import SHM_DIR_ENV, shm_dir
 from coordl.analyzer import phase_env
 from coordl.analyzer.model import Pipeline
+from coordl.analyzer.process_group import WATCH_S, stop_group, watch
 
 PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and over)",
                 "rates": "S, C, P: storage, cache and prep, with the training loop idle; Q: the loop on prepared "

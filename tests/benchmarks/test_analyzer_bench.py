@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchmarks.storage_env import BUDGET_TOLERANCE_MIN_BYTES, PREFIX, SLACK_BYTES, cgroup_version
+from harness.storage_env import BUDGET_TOLERANCE_MIN_BYTES, PREFIX, SLACK_BYTES, cgroup_version
 from tests.benchmarks._bench import CLEANUP_GRACE_S, REPO, run_to_end
 
 RUN_S = 780

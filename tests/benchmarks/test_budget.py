@@ -3,7 +3,7 @@
 import os
 
 from benchmarks.minio import run_order
-from benchmarks.storage_env import SLACK_BYTES, Cgroup, memory_summary, over_budget
+from harness.storage_env import SLACK_BYTES, Cgroup, memory_summary, over_budget
 
 MIB = 2**20
 

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from benchmarks.coordprep import cpu_seconds, cpu_split
-from benchmarks.storage_env import PREFIX, cgroup_version
-from coordl.coord_prep import list_groups
+from coordl._group.membership import list_groups
+from harness.storage_env import PREFIX, cgroup_version
 from tests import _procs
 from tests.benchmarks._bench import CLEANUP_GRACE_S, REPO, run_to_end
 

@@ -32,7 +32,7 @@ def test_a_tiny_hot_path_run_measures_both_loaders_at_every_point(tmp_path, shm_
 
 def test_untimed_coordl_reads_no_clock_in_the_workers_and_is_compared_with_coordl(tmp_path, shm_namespace):
     from benchmarks import hotpath
-    from coordl.synthetic import make_image_folder
+    from coordl._demo.synthetic import make_image_folder
 
     root = str(tmp_path / "images")
     make_image_folder(root, 32, mean_side_px=40, seed=3)

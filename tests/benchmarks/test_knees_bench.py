@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks.knees import knee
-from benchmarks.storage_env import PREFIX, cgroup_version
+from harness.storage_env import PREFIX, cgroup_version
 from tests.benchmarks._bench import CLEANUP_GRACE_S, REPO, run_to_end
 
 RUN_S = 780

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from benchmarks import minio
-from benchmarks.storage_env import PREFIX, block_device, cgroup_version, over_budget
 from benchmarks.systems import child_command
-from coordl.minio_cache import list_caches
+from coordl._cache.minio import list_caches
+from harness.storage_env import PREFIX, block_device, cgroup_version, over_budget
 from tests import _procs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

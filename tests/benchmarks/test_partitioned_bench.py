@@ -6,7 +6,7 @@ import os
 import pytest
 
 from benchmarks import partitioned
-from benchmarks.storage_env import PREFIX
+from harness.storage_env import PREFIX
 
 
 def test_the_plan_interleaves_and_rotates_every_mode_and_cache():

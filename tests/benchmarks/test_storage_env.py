@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from benchmarks import storage_env
-from benchmarks.storage_env import (LOOP_TOOLS, PREFIX, Cleanup, MemoryFollower, block_device, cgroup_version,
+from harness import storage_env
+from harness.storage_env import (LOOP_TOOLS, PREFIX, Cleanup, MemoryFollower, block_device, cgroup_version,
                                     copy_to_loop_disk, device_read_bytes, evict_files, prepare_storage, run_child)
 from tests import _procs
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from benchmarks import sweep
-from benchmarks.storage_env import PREFIX
+from harness.storage_env import PREFIX
 
 
 @pytest.mark.slow

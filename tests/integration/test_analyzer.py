@@ -13,10 +13,10 @@ import torchvision
 from torchvision import transforms
 
 import coordl
-from coordl._constants import ANALYZE_TIME_SCALE_ENV
+from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
+from coordl._peer.tier import TIMEOUT_ENV
 from coordl.analyzer import phases, runner
-from coordl.partitioned import TIMEOUT_ENV
-from tests.cluster import make_cluster  # noqa: F401  (a fixture)
+from harness.cluster import make_cluster  # noqa: F401  (a fixture)
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_analyze_job.py")
 BATCH = 8

@@ -13,9 +13,9 @@ import torch
 import torchvision
 
 import coordl
+from coordl._cache.minio import MinIOCache, cache_segment_name
+from coordl._core.shm import segment_path
 from coordl.cli import build_parser
-from coordl.minio_cache import MinIOCache, cache_segment_name
-from coordl._shm import segment_path
 from tests import _procs
 from tests._signals import FileEvent
 

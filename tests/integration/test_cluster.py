@@ -1,4 +1,4 @@
-"""The simulated-cluster fixture (tests/cluster.py): nodes that each have their own address, /dev/shm,
+"""The simulated-cluster fixture (harness/cluster.py): nodes that each have their own address, /dev/shm,
 hostname and cgroup, run one torchrun job together, and leave nothing behind."""
 
 import contextlib
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from benchmarks.storage_env import SLACK_BYTES, Cleanup, copy_to_loop_disk, evict_files
-from tests.cluster import make_cluster  # noqa: F401 (a fixture)
+from harness.cluster import make_cluster  # noqa: F401 (a fixture)
+from harness.storage_env import SLACK_BYTES, Cleanup, copy_to_loop_disk, evict_files
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cluster_job.py")
 WORKER = f"-u {JOB}"

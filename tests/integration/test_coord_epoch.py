@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import coordl
-from coordl import coord_prep
-from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
-from coordl._group_state import _M_ARRIVED_FOR
-from coordl.coord_prep import HPGroup
+from coordl._group import membership as coord_prep
+from coordl._group.epoch import CoordinatedEpoch, GroupCounters
+from coordl._group.membership import HPGroup
+from coordl._group.state import _M_ARRIVED_FOR
 from tests import _procs
 from tests._signals import FileQueue
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import coordl
-from coordl._shm import segment_path
-from coordl import _batch_codec
-from coordl.coord_prep import HPGroup, group_segment_name, list_groups
+from coordl._core.shm import segment_path
+from coordl._group import codec as _batch_codec
+from coordl._group.membership import HPGroup, group_segment_name, list_groups
 from tests import _procs
 from tests._signals import FileEvent, FileQueue
 
@@ -334,9 +334,9 @@ def test_a_group_restarted_from_its_jobs_checkpoints_goes_on_with_the_uninterrup
     saved = torch.load(states[0])["hp_group"]
     assert saved["next_epoch"] == 2 and torch.load(states[1])["hp_group"] == saved
     assert _plans(resumed[0]) == _plans(resumed[1])
-    expected = [coordl.coord_prep.epoch_plan(N, 4, False, True, saved["seed"], epoch) for epoch in (2, 3)]
+    expected = [coordl._group.membership.epoch_plan(N, 4, False, True, saved["seed"], epoch) for epoch in (2, 3)]
     assert _plans(resumed[0]) == expected
-    assert _plans(first[0])[0] == coordl.coord_prep.epoch_plan(N, 4, False, True, saved["seed"], 1)
+    assert _plans(first[0])[0] == coordl._group.membership.epoch_plan(N, 4, False, True, saved["seed"], 1)
     if seeded:
         procs, results = _start_jobs(tmp_path, index_root, _group(), [(3, common), (3, common)])
         uninterrupted = _collect(results, 2)
@@ -356,7 +356,7 @@ def test_a_state_saved_mid_epoch_resumes_the_group_at_the_next_epoch_and_says_so
         with pytest.warns(UserWarning, match="resumes at epoch boundaries.*goes on with group epoch 2"):
             loader.load_state_dict(state)
         plan = [batch[0].tolist() for batch in loader]
-    assert plan == coordl.coord_prep.epoch_plan(N, 4, False, True, state["hp_group"]["seed"], 2)
+    assert plan == coordl._group.membership.epoch_plan(N, 4, False, True, state["hp_group"]["seed"], 2)
 
 
 def test_an_hp_group_in_a_multi_server_environment_stays_on_its_server(tmp_path, index_root, monkeypatch):

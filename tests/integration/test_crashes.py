@@ -9,7 +9,7 @@ import pytest
 import torchvision
 
 import coordl
-from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
+from coordl._cache.minio import MinIOCache, cache_segment_name, list_caches
 from tests import _procs
 from tests._signals import FileEvent
 

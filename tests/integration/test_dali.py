@@ -23,9 +23,10 @@ import torchvision
 from PIL import Image, ImageDraw
 
 import coordl
-from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_MISSES, file_reader_loader
-from coordl import dali_presets
-from coordl.dali_presets import IMAGENET_MEAN, IMAGENET_STD
+from coordl._dali import presets as dali_presets
+from coordl._dali.pipeline import AHEAD_BATCHES, AHEAD_MISSES
+from coordl._dali.presets import IMAGENET_MEAN, IMAGENET_STD
+from harness.dali_baseline import file_reader_loader
 
 N_IMAGES = 96  # the image_root fixture
 
@@ -91,7 +92,7 @@ def test_every_sample_once_per_epoch_in_torchs_order(image_root):
 def test_batches_kept_by_the_training_loop_stay_as_they_were_yielded(image_root, pipeline):
     """Outputs wrap DALI's buffers and DALI may read the fed bytes in place: neither may change under
     batches the loop still holds while later batches and epochs run."""
-    from coordl.dali_presets import image_classification
+    from coordl._dali.presets import image_classification
 
     def user(encoded, target, *, device, train):  # a user's pipeline that hands its target straight out
         return image_classification(encoded, target, device=device, train=train)
@@ -206,7 +207,7 @@ def test_the_next_fetches_start_once_the_loop_has_its_batch(image_root, monkeypa
     ``run()`` only where DALI's next call would find none fetching (at each epoch's start, as DALI fills its
     queue from the two fetched first)."""
     from nvidia.dali.pipeline import Pipeline
-    from coordl.dali_pipeline import DaliBackend
+    from coordl._dali.pipeline import DaliBackend
     runs, started = [0], collections.Counter()  # run() calls begun; fetches started, by run() call or "after"
     in_run = threading.Event()
     run, fetch_pool = Pipeline.run, DaliBackend._fetch_pool
@@ -349,7 +350,7 @@ def test_an_interruption_while_dropping_the_batches_fed_ahead_leaves_nothing_in_
                                                                                                monkeypatch):
     """Ctrl-C in the epoch's start, while the outputs of a wrong guess are run and dropped: the pipeline is
     dropped, and the next epoch is its plan, not the batch fed ahead and left in DALI."""
-    from coordl import dali_pipeline
+    from coordl._dali import pipeline as dali_pipeline
     armed, fetch = {"on": False}, dali_pipeline._fetch_batch
     dataset, generator = _indexed(image_root), torch.Generator()
     reference_generator = torch.Generator()
@@ -494,7 +495,7 @@ def test_a_process_forked_after_dali_epochs_can_collect_their_pipelines(image_ro
 def test_collection_is_paused_across_forks_and_resumed_once_the_last_is_through():
     """The at-fork handlers' state: two threads forking at once share one pause; the collector comes back
     (if it was on) when both are through, and in a child at once."""
-    from coordl import dali_pipeline
+    from coordl._dali import pipeline as dali_pipeline
     collecting = gc.isenabled()
     gc.enable()
     try:

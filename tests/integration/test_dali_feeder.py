@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordl.cached_dataset import COUNTER_FIELDS
-from coordl.dali_pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder, _fetch_batch, _target_columns
+from coordl._dali.pipeline import AHEAD_BATCHES, AHEAD_LEFT, FETCH_RAMP, _Feeder, _fetch_batch, _target_columns
+from coordl._fetch.cached_dataset import COUNTER_FIELDS
 
 
 class _LazyPool:

@@ -19,7 +19,7 @@ import torch.utils.data as tud
 import torchvision
 
 import coordl
-from coordl.storage import FileStorage
+from coordl._fetch.storage import FileStorage
 from tests import _procs
 from tests._signals import FileEvent, FileQueue
 from tests.conftest import dataset_bytes
@@ -92,7 +92,7 @@ def tag_worker(worker_id: int) -> None:
 
 @pytest.mark.slow
 def test_what_torch_users_read_from_a_loader_is_torchs(monkeypatch):
-    monkeypatch.setattr(coordl.cache_setup, "_warned", set())
+    monkeypatch.setattr(coordl._cache.setup, "_warned", set())
     dataset = Handles()
     with pytest.warns(UserWarning, match="coordl cannot cache Handles"):
         loader = coordl.DataLoader(dataset, batch_size=2, num_workers=2, worker_init_fn=tag_worker,

@@ -69,6 +69,6 @@ def test_bad_settings_are_refused(image_root, kwargs, error, match):
 
 def test_bad_log_level_names_the_variable(monkeypatch, image_root):
     monkeypatch.setenv("COORDL_LOG_LEVEL", "LOUD")
-    monkeypatch.setattr("coordl._logging._configured", False)
+    monkeypatch.setattr("coordl._core.log._configured", False)
     with pytest.raises(ValueError, match="COORDL_LOG_LEVEL='LOUD' is not a logging level"):
         coordl.DataLoader(torchvision.datasets.ImageFolder(image_root))

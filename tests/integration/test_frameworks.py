@@ -26,7 +26,7 @@ from pytorch_lightning.utilities.data import _update_dataloader
 from torchvision import transforms as T
 
 import coordl
-from coordl.cached_dataset import CachedDataset
+from coordl._fetch.cached_dataset import CachedDataset
 from tests.conftest import dataset_bytes
 
 N_IMAGES = 96  # the image_root fixture

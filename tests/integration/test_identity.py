@@ -15,7 +15,7 @@ import torchvision.transforms.v2 as v2
 from torch.utils.data import default_collate
 
 import coordl
-from coordl._describe import describe
+from coordl._group.agreement import describe
 from tests import _procs
 
 N = 12

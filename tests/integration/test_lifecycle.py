@@ -8,7 +8,7 @@ import pytest
 import torchvision
 
 import coordl
-from coordl.minio_cache import list_caches
+from coordl._cache.minio import list_caches
 
 
 def _mine(root):

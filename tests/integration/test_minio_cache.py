@@ -8,9 +8,9 @@ import pytest
 import torchvision
 
 import coordl
-from coordl import minio_cache
-from coordl._shm import segment_path
-from coordl.minio_cache import MinIOCache, cache_segment_name, list_caches
+from coordl._cache import minio as minio_cache
+from coordl._cache.minio import MinIOCache, cache_segment_name, list_caches
+from coordl._core.shm import segment_path
 from tests import _procs
 from tests._signals import FileBarrier, FileEvent, FileQueue
 from tests.conftest import dataset_bytes

@@ -1,5 +1,5 @@
 """Partitioned caching across servers, each in its own network and mount namespace with its own /dev/shm and
-storage cgroup, launched by its own torchrun (``tests/cluster.py``): storage read once, every sample exactly
+storage cgroup, launched by its own torchrun (``harness/cluster.py``): storage read once, every sample exactly
 once per epoch, peers dying mid-epoch, strangers refused."""
 
 import json
@@ -13,10 +13,10 @@ import zlib
 import pytest
 from torch.utils.data.distributed import DistributedSampler
 
-from benchmarks.storage_env import Cleanup, copy_to_loop_disk, evict_files
-from coordl.partitioned import TIMEOUT_ENV
-from coordl.synthetic import make_image_folder
-from tests.cluster import make_cluster  # noqa: F401  (a fixture)
+from coordl._demo.synthetic import make_image_folder
+from coordl._peer.tier import TIMEOUT_ENV
+from harness.cluster import make_cluster  # noqa: F401  (a fixture)
+from harness.storage_env import Cleanup, copy_to_loop_disk, evict_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -335,7 +335,7 @@ def _survivor(cluster, out: str, crcs: list[int], epochs: int) -> dict:
 
 _IMPOSTOR = r"""
 import json, os, sys
-from coordl.peer_server import PeerServer
+from coordl._peer.server import PeerServer
 host, port, n, secret = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].encode()
 asked = []
 def lookup(i):
@@ -464,7 +464,7 @@ def test_locality_aware_without_a_partitioned_job_is_refused_clearly(image_root)
 
 _CLIENT = r"""
 import socket, sys, time, json
-from coordl import _peer_wire as wire
+from coordl._peer import wire
 host, port, secret, binding = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode(), bytes.fromhex(sys.argv[5])
 result = {}
 conn = socket.create_connection((host, port), timeout=5)
@@ -507,7 +507,7 @@ def test_a_client_from_another_server_without_the_secret_gets_nothing(make_clust
 _STORE_READER = r"""
 import datetime, json, socket, sys, time
 import torch.distributed as dist
-from coordl import _peer_wire as wire
+from coordl._peer import wire
 master, master_port, host, port, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 binding = bytes.fromhex(sys.argv[6])  # the loader's, which is no secret: only the secret is missing
 store = dist.TCPStore(master, master_port, is_master=False, timeout=datetime.timedelta(seconds=10))

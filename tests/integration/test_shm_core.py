@@ -19,10 +19,11 @@ import time
 import pytest
 
 import coordl
-from coordl import _shm, minio_cache
-from coordl._shm import Probe, segment_path
-from coordl.coord_prep import HPGroup, group_segment_name
-from coordl.minio_cache import MinIOCache, cache_segment_name
+from coordl._cache import minio as minio_cache
+from coordl._cache.minio import MinIOCache, cache_segment_name
+from coordl._core import shm as _shm
+from coordl._core.shm import Probe, segment_path
+from coordl._group.membership import HPGroup, group_segment_name
 from tests import _procs, _shm_procs
 from tests._signals import FileBarrier, FileEvent, FileQueue
 
@@ -266,7 +267,7 @@ def test_a_paused_lock_holder_is_named_and_never_blocks_inspection(tmp_path, mon
         assert _coordl("group", "rm", "--stale", group_segment_name(group)).returncode == 1  # alive: kept
 
         monkeypatch.setattr(_shm, "_LOCK_WARN_S", 0.3)
-        caplog.set_level(logging.WARNING, logger="coordl._shm")
+        caplog.set_level(logging.WARNING, logger="coordl._core.shm")
         waiter = MinIOCache(cache_name, n_items=8, capacity_bytes=1 << 16, fingerprint=_shm_procs.FINGERPRINT)
         attach = threading.Thread(target=waiter.stats)
         attach.start()
@@ -440,11 +441,11 @@ def test_the_size_an_error_suggests_fits(tmp_path, small_shm):
     assert needed.startswith("1.0 GiB") and free.endswith("MiB") and float(free.split()[0]) <= 8
     suggested = re.search(r"cache_bytes='([^']+)'", message).group(1)
     with coordl.DataLoader(dataset, cache_bytes=suggested) as loader:
-        assert loader.dataset.cache.stats().capacity_bytes == coordl._sizes.parse_bytes(suggested)
+        assert loader.dataset.cache.stats().capacity_bytes == coordl._core.sizes.parse_bytes(suggested)
 
 
 def test_auto_counts_the_index_and_turns_the_cache_off_when_nothing_fits(tmp_path, small_shm):
-    from coordl.cache_setup import auto_capacity
+    from coordl._cache.setup import auto_capacity
     small_shm("64m")  # docker's default /dev/shm
     imagenet = 1_281_167
     capacity, keep = auto_capacity(imagenet)

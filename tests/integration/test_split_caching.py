@@ -9,7 +9,7 @@ import torchvision
 from torchvision import transforms as T
 
 import coordl
-from coordl.raw_datasets import raw_source
+from coordl._fetch.raw_datasets import raw_source
 from tests.conftest import dataset_bytes
 
 RESIZE = T.Compose([T.Resize((16, 16)), T.ToTensor()])  # deterministic: batches compare exactly
@@ -127,7 +127,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_a_split_of_what_coordl_cannot_cache_warns_naming_the_part(image_root, case, monkeypatch):
-    monkeypatch.setattr(coordl.cache_setup, "_warned", set())  # it warns once per process and dataset type
+    monkeypatch.setattr(coordl._cache.setup, "_warned", set())  # it warns once per process and dataset type
     make, message = REFUSED[case]
     dataset = make(image_root)
     with pytest.warns(UserWarning, match=message), coordl.DataLoader(dataset, batch_size=2) as loader:

@@ -9,7 +9,7 @@ import pytest
 import torchvision
 
 import coordl
-from coordl.storage import FileStorage
+from coordl._fetch.storage import FileStorage
 
 SCRIPT = """
 import sys, torchvision, coordl

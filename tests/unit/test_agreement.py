@@ -10,9 +10,9 @@ import torchvision.transforms.v2 as v2
 from torch.utils.data import default_collate
 
 import coordl
-from coordl._group_config import check_group_options, group_settings
-from coordl.cached_dataset import CachedDataset, SampleCounters
-from coordl.storage import FileStorage
+from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
+from coordl._fetch.storage import FileStorage
+from coordl._group.config import check_group_options, group_settings
 
 
 def _settings(transform=None, collate_fn=default_collate, key=None) -> dict[str, str]:

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from coordl._constants import ANALYZE_TIME_SCALE_ENV
+from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl.analyzer import phases
 
 

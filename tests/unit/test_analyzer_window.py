@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from coordl._constants import ANALYZE_TIME_SCALE_ENV
+from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl.analyzer import phases
 
 

@@ -9,8 +9,8 @@ import mmap
 
 import pytest
 
-from coordl import minio_cache
-from coordl.minio_cache import MinIOCache, _Views, index_bytes
+from coordl._cache import minio as minio_cache
+from coordl._cache.minio import MinIOCache, _Views, index_bytes
 
 N, CAPACITY = 6, 1000
 

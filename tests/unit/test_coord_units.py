@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordl import _batch_codec
-from coordl._shm import create_unlocked
-from coordl.coord_prep import epoch_plan
+from coordl._core.shm import create_unlocked
+from coordl._group import codec as _batch_codec
+from coordl._group.membership import epoch_plan
 from coordl.exceptions import StagingError
 
 
@@ -58,7 +58,7 @@ def test_staged_batches_keep_structure_dtypes_and_values(mapped, through_file, m
 
 def test_a_batch_written_through_the_file_survives_short_writes(monkeypatch):
     """``Segment.write_at`` goes on where ``pwrite`` stopped: here it writes at most 1000 bytes a call."""
-    from coordl import _shm
+    from coordl._core import shm as _shm
 
     pwrite = os.pwrite
     monkeypatch.setattr(_shm.os, "pwrite", lambda fd, data, offset: pwrite(fd, bytes(data[:1000]), offset))
@@ -68,7 +68,7 @@ def test_a_batch_written_through_the_file_survives_short_writes(monkeypatch):
 
 
 def test_a_write_through_the_file_that_makes_no_progress_fails_instead_of_spinning(monkeypatch):
-    from coordl import _shm
+    from coordl._core import shm as _shm
 
     monkeypatch.setattr(_shm.os, "pwrite", lambda fd, data, offset: 0)
     with pytest.raises(OSError, match="nothing written at offset"):

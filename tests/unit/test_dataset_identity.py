@@ -3,7 +3,7 @@
 import os
 
 from coordl import FileDataset
-from coordl.raw_datasets import IDENTITY_SAMPLES, dataset_identity
+from coordl._fetch.raw_datasets import IDENTITY_SAMPLES, dataset_identity
 
 
 def _write(path, data: bytes, mtime_ns: int = 1_700_000_000 * 10**9) -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from coordl.emulated_store import EmulatedStore, StoreClient
+from coordl._demo.emulated_store import EmulatedStore, StoreClient
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_threads_of_one_process_each_get_their_own_answers(store, files):
 def test_image_loader_decodes_what_it_reads_through_the_store(store, tmp_path):
     from PIL import Image
 
-    from coordl.emulated_store import StoreImageLoader
+    from coordl._demo.emulated_store import StoreImageLoader
 
     path = tmp_path / "gray.png"
     Image.new("L", (4, 3), 7).save(path)

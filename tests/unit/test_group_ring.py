@@ -9,12 +9,14 @@ import random
 import numpy as np
 import pytest
 
-from coordl import _group_state, _shm
-from coordl._constants import STAGING_SLOTS
-from coordl._group_state import (_H_CAPACITY, _H_PEAK_BYTES, _H_REUSED, _H_SPARE_BYTES, _H_STAGED_BYTES, _M_EXPECT,
+from coordl._group import state as _group_state
+
+from coordl._core import shm as _shm
+from coordl._core.settings import STAGING_SLOTS
+from coordl._group.state import (_H_CAPACITY, _H_PEAK_BYTES, _H_REUSED, _H_SPARE_BYTES, _H_STAGED_BYTES, _M_EXPECT,
                                  _M_JOINED_NS, _M_PID, _R_BATCH, _R_EPOCH, _R_NBYTES, _R_SEQ, _R_STATE, _READY,
                                  _WRITING, ALONE, NOT_MINE, SPARE_SLOTS, GroupState, segment_size, staged_name)
-from coordl._shm import segment_path, shm_dir
+from coordl._core.shm import segment_path, shm_dir
 
 GROUP = "cdl_0123456789ab_group"
 

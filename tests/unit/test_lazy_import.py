@@ -7,8 +7,8 @@ import pytest
 
 import coordl
 
-LIGHT = ["coordl", "coordl.cli", "coordl._shm", "coordl._peer_wire", "coordl.peer_server", "coordl.minio_cache",
-         "coordl.coord_prep", "coordl.storage", "coordl.analyzer.runner"]
+LIGHT = ["coordl", "coordl.cli", "coordl._core.shm", "coordl._peer.wire", "coordl._peer.server", "coordl._cache.minio",
+         "coordl._group.membership", "coordl._fetch.storage", "coordl.analyzer.runner"]
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -29,8 +29,8 @@ def test_cache_ls_runs_without_torch():
 
 def test_every_public_name_and_submodule_resolves_on_first_use():
     done = _run("import coordl, sys\nassert 'torch' not in sys.modules\nloader = coordl.DataLoader\n"
-                "print(loader.__module__, 'torch' in sys.modules, coordl.coord_prep.__name__)")
-    assert done.returncode == 0 and done.stdout.split() == ["coordl.loader", "True", "coordl.coord_prep"], done.stderr
+                "print(loader.__module__, 'torch' in sys.modules, coordl._group.membership.__name__)")
+    assert done.returncode == 0 and done.stdout.split() == ["coordl.loader", "True", "coordl._group.membership"], done.stderr
     assert all(getattr(coordl, name).__name__ == name for name in coordl.__all__)
     assert set(coordl.__all__) <= set(dir(coordl)) and coordl.__all__ == sorted(coordl.__all__)
     namespace = {}

@@ -8,7 +8,7 @@ import pytest
 from torch.utils.data import RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from coordl.locality import LocalityPlan, assign, balance, locality_plan
+from coordl._peer.locality import LocalityPlan, assign, balance, locality_plan
 
 
 def test_balance_moves_the_total_deficit_in_at_most_p_minus_1_transfers():

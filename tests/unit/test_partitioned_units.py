@@ -17,12 +17,13 @@ import types
 import numpy as np
 import pytest
 
-from coordl import _peer_wire as wire
-from coordl import partitioned, peer_server
-from coordl.minio_cache import MinIOCache, cache_segment_name
-from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
-from coordl.peer_server import CacheKeeper, PeerServer, cache_lookup, storage_id
-from coordl.storage import FileStorage
+from coordl._cache.minio import MinIOCache, cache_segment_name
+from coordl._fetch.storage import FileStorage
+from coordl._peer import server as peer_server
+from coordl._peer import tier as partitioned
+from coordl._peer import wire
+from coordl._peer.server import CacheKeeper, PeerServer, cache_lookup, storage_id
+from coordl._peer.tier import Topology, decode_map, encode_map, owners_of, resolve
 from tests import _procs
 from tests._peers import Relay, edit, flip
 
@@ -297,7 +298,7 @@ _EXITING_RANK = textwrap.dedent("""
 
     import time
     import torch.distributed as dist
-    from coordl import partitioned
+    from coordl._peer import tier as partitioned
 
     torch_calls = set()  # (thread, callee) for every call from a coordl thread into torch's native code
     def watch(frame, event, arg):
@@ -352,10 +353,10 @@ def test_an_item_its_owner_does_not_deliver_is_read_from_storage_and_not_cached_
     1's copy is server 1's while the map names it. With server 1 gone, 0 too is read and not cached."""
     import torch.distributed as dist
 
-    from coordl.cached_dataset import CachedDataset, SampleCounters
-    from coordl.minio_cache import MinIOCache, cache_segment_name
-    from coordl.peer_server import PeerServer
-    from coordl.storage import FileStorage
+    from coordl._cache.minio import MinIOCache, cache_segment_name
+    from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
+    from coordl._fetch.storage import FileStorage
+    from coordl._peer.server import PeerServer
 
     files = [tmp_path / f"f{i}" for i in range(3)]
     for i, f in enumerate(files):
@@ -434,7 +435,7 @@ def _server_0(monkeypatch, files: _Files, storage, peer: PeerServer, peer_addres
     this loader's binding), reached at ``peer_address`` (default: its own), and no map is known yet."""
     import torch.distributed as dist
 
-    from coordl.cached_dataset import CachedDataset, SampleCounters
+    from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
     monkeypatch.setenv(partitioned.SECRET_ENV, SECRET)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
@@ -545,7 +546,7 @@ def test_another_jobs_server_at_a_peers_address_is_marked_down_and_nothing_of_it
         with _server_0(monkeypatch, files, storage, impostor) as (dataset, counters):
             impostor.binding = os.urandom(wire.BINDING_BYTES)  # another job's loader
             _owned_by_server_1(dataset)
-            with caplog.at_level("WARNING", logger="coordl.partitioned"):
+            with caplog.at_level("WARNING", logger="coordl._peer.tier"):
                 for _ in range(2):
                     assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
                     dataset.peers.state.down[1] = 0  # as at an epoch start: tried again
@@ -579,7 +580,7 @@ def test_a_server_whose_copy_of_the_dataset_differs_is_marked_down_and_said_so_o
     try:
         with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
             _owned_by_server_1(dataset)
-            with caplog.at_level("WARNING", logger="coordl.partitioned"):
+            with caplog.at_level("WARNING", logger="coordl._peer.tier"):
                 for _ in range(2):
                     assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
                     dataset.peers.state.down[1] = 0  # as at an epoch start: tried again
@@ -690,7 +691,7 @@ class _PeersThatStopIterating:
 def test_an_epoch_start_that_raises_stopiteration_fails_and_never_ends_the_epoch_empty(image_root, num_workers):
     """Out of the batch sampler's ``__next__``, a StopIteration is torch's end of the epoch: 0 batches, no error."""
     import coordl
-    from coordl.raw_datasets import FileDataset
+    from coordl._fetch.raw_datasets import FileDataset
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(image_root) for f in fs)
     with coordl.DataLoader(FileDataset(files, decode="bytes"), batch_size=8, num_workers=num_workers,
                            collate_fn=list) as loader:

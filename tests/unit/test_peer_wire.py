@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from coordl import _peer_wire as wire
-from coordl.minio_cache import MinIOCache, cache_segment_name
-from coordl.peer_server import MAX_CLIENTS, CacheKeeper, PeerServer, cache_lookup, job_limits, storage_id
-from coordl.storage import FileStorage
+from coordl._cache.minio import MinIOCache, cache_segment_name
+from coordl._fetch.storage import FileStorage
+from coordl._peer import wire
+from coordl._peer.server import MAX_CLIENTS, CacheKeeper, PeerServer, cache_lookup, job_limits, storage_id
 from tests._peers import GREETING, Relay, edit, flip
 
 SECRET = b"s3cret-of-this-job"

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from coordl._group_config import check_group_options
-from coordl._sizes import format_bytes, parse_bytes, parse_size_option
+from coordl._core.sizes import format_bytes, parse_bytes, parse_size_option
+from coordl._group.config import check_group_options
 
 
 @pytest.mark.parametrize("text,expected", [

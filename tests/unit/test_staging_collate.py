@@ -11,11 +11,13 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from coordl import _batch_codec, _shm
-from coordl._shm import open_unlocked, segment_path, shm_dir
+from coordl._group import codec as _batch_codec
+
+from coordl._core import shm as _shm
+from coordl._core.shm import open_unlocked, segment_path, shm_dir
+from coordl._group.feed import GroupFeed
+from coordl._group.staging import StagingCollate, WrittenBatch
 from coordl.exceptions import ShmCapacityError
-from coordl.group_feed import GroupFeed
-from coordl.staging_collate import StagingCollate, WrittenBatch
 
 PREFIX = "cdl_0123456789ab_sw0-1f-"
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from coordl.synthetic import make_image_folder
+from coordl._demo.synthetic import make_image_folder
 
 
 def test_imagenet_like_sizes_in_class_folders(tmp_path):

@@ -7,7 +7,7 @@ the cache in the dataset proxy, the epoch's plan and boundaries here, prepared b
 handed through the dataset proxy and unwrapped by the collate function. torch's iterator calls
 ``iter(batch_sampler)`` at each pass and ``next()`` on it for every batch it starts (and once more per
 batch consumed after the plan is exhausted); the :class:`EpochPass` turns those calls into the
-epoch's start, plan and end, reported to the loader's ``epochs`` (an :class:`~coordl.epoch_ledger.EpochLedger`).
+epoch's start, plan and end, reported to the loader's ``epochs`` (an :class:`~coordl._epochs.ledger.EpochLedger`).
 The pass starts on its first ``next()``, not at ``iter()``: torch draws its base seed in between, so
 a plan drawn later uses the generator exactly as torch's own iterator would.
 
@@ -37,7 +37,7 @@ import torch.utils.data
 import torch.utils.data.distributed
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
-from coordl import resume_state
+from coordl._epochs import resume_state
 from coordl.analyzer import phases as analyzer_phases
 
 _DRAWN_AHEAD = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,

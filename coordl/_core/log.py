@@ -3,7 +3,7 @@
 import logging
 import os
 
-from coordl._constants import LOG_LEVEL_ENV
+from coordl._core.settings import LOG_LEVEL_ENV
 
 _configured = False
 

@@ -77,8 +77,8 @@ import time
 
 import numpy as np
 
-from coordl._constants import GROUP_KIND, MAX_GROUP_MEMBERS, STAGED_KIND_PREFIX, STAGING_SLOTS
-from coordl._shm import Segment, rename_segment, unclaimed, unlink_segment, unlink_segments
+from coordl._core.settings import GROUP_KIND, MAX_GROUP_MEMBERS, STAGED_KIND_PREFIX, STAGING_SLOTS
+from coordl._core.shm import Segment, rename_segment, unclaimed, unlink_segment, unlink_segments
 
 logger = logging.getLogger(__name__)
 

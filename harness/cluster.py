@@ -9,7 +9,7 @@ In ``netns`` mode (root, ``ip``, ``nsenter`` and ``unshare``) a node is deployed
   test suite gives every test, is private to the node), its own hostname (``cluster.names[i]``) and an
   /etc/hosts that resolves every node's name to its address;
 - its own cgroup (v1 ``blkio``, and ``memory`` if bounded: what its processes hold plus a page-cache
-  budget, followed as they grow, as ``benchmarks.storage_env`` bounds one system's run), joined before
+  budget, followed as they grow, as ``harness.storage_env`` bounds one system's run), joined before
   the command starts, so that every process of the node is counted, bounded and killed with it. Nodes
   see this machine's /sys (so their own cgroup under /sys/fs/cgroup, but this machine's interfaces
   under /sys/class/net).
@@ -39,9 +39,9 @@ from collections.abc import Callable
 
 import pytest
 
-from benchmarks.storage_env import (CGROUP_ROOT, Cgroup, MemoryFollower, _tool, cgroup_version, device_read_bytes,
+from coordl._core.settings import SHM_DIR_ENV
+from harness.storage_env import (CGROUP_ROOT, Cgroup, MemoryFollower, _tool, cgroup_version, device_read_bytes,
                                     remove_cgroup_dir)
-from coordl._constants import SHM_DIR_ENV
 
 NODE_ENV = "CLUSTER_NODE"
 ADDR_ENV = "CLUSTER_NODE_ADDR"

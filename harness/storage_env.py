@@ -7,7 +7,7 @@ can be made, the dataset's whole disk is throttled instead. Every system runs in
 I/O cgroup (v1: ``memory`` and ``blkio`` hierarchies; v2: one group with ``memory.max`` and
 ``io.max``): reads from the dataset's device are throttled to the set bandwidth and counted by the
 kernel, and page cache + shared memory + RSS are bounded. In ``emulated`` mode (no root, no
-cgroups, or the dataset on a virtual filesystem) an :mod:`~coordl.emulated_store` plays the disk
+cgroups, or the dataset on a virtual filesystem) an :mod:`~coordl._demo.emulated_store` plays the disk
 and the page cache.
 
 Everything created here (cgroups, loop devices with their mounts and images, process groups, the
@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from coordl._proc_group import remove_torch_segments, stop_group, watch
+from coordl.analyzer.process_group import remove_torch_segments, stop_group, watch
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 PREFIX = "coordl-bench"
@@ -420,7 +420,7 @@ def device_read_bytes(counter: dict) -> int:
     if counter["kind"] == "none":
         return 0
     if counter["kind"] == "emulated":
-        from coordl.emulated_store import StoreClient
+        from coordl._demo.emulated_store import StoreClient
 
         return StoreClient(counter["socket"]).device_read_bytes()
     with open(counter["file"]) as f:
@@ -460,8 +460,8 @@ class Cleanup(contextlib.ExitStack):
 
     def shm_folder(self) -> str:
         """A fresh folder under the shm directory made ``$COORDL_SHM_DIR`` until the end, for servers whose
-        own /dev/shm holds it at that path (``tests/cluster.py``); removed, and the variable restored, then."""
-        from coordl._shm import SHM_DIR_ENV, shm_dir
+        own /dev/shm holds it at that path (``harness/cluster.py``); removed, and the variable restored, then."""
+        from coordl._core.shm import SHM_DIR_ENV, shm_dir
         path = tempfile.mkdtemp(prefix=f"{PREFIX}-", dir=shm_dir())
         self.callback(shutil.rmtree, path, ignore_errors=True)
         previous = os.environ.get(SHM_DIR_ENV)

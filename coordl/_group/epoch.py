@@ -35,10 +35,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from coordl import _batch_codec
-from coordl._constants import LIVENESS_POLL_S
-from coordl.coord_prep import ALONE, NOT_MINE, EpochTicket, HPGroup
-from coordl.staging_collate import WrittenBatch
+from coordl._core.settings import LIVENESS_POLL_S
+from coordl._group import codec as _batch_codec
+from coordl._group.membership import ALONE, NOT_MINE, EpochTicket, HPGroup
+from coordl._group.staging import WrittenBatch
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from coordl._worker import exit_when_orphaned, own_row
+from coordl._cache.minio import MinIOCache
+from coordl._core.worker import exit_when_orphaned, own_row
+from coordl._fetch.raw_datasets import RawBytesDataset
+from coordl._fetch.storage import Storage, stamper
 from coordl.exceptions import SampleError
-from coordl.minio_cache import MinIOCache
-from coordl.raw_datasets import RawBytesDataset
-from coordl.storage import Storage, stamper
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
                   "storage_wait_ns", "peer_wait_ns", "prep_ns")

@@ -2,7 +2,7 @@
 
 The feed of a loader in an hp_group (see ``epoch_ledger`` NOTE [ Feeds ]). At each pass it waits for
 the group's next epoch, prepares this job's share (through its own torch workers, or its DALI
-pipeline) in a :class:`~coordl.coord_epoch.CoordinatedEpoch`, and hands the training process every
+pipeline) in a :class:`~coordl._group.epoch.CoordinatedEpoch`, and hands the training process every
 batch of the group's plan, its own and the others', in order.
 """
 
@@ -12,13 +12,13 @@ import warnings
 
 import torch.utils.data
 
-from coordl._group_config import auto_staging_bytes, group_settings
-from coordl._shm import unlink_segments
-from coordl.cached_dataset import CachedDataset
-from coordl.coord_epoch import CoordinatedEpoch, GroupCounters
-from coordl.coord_prep import HPGroup, epoch_plan
+from coordl._core.shm import unlink_segments
+from coordl._fetch.cached_dataset import CachedDataset
+from coordl._group.config import auto_staging_bytes, group_settings
+from coordl._group.epoch import CoordinatedEpoch, GroupCounters
+from coordl._group.membership import HPGroup, epoch_plan
+from coordl._group.staging import StagingCollate
 from coordl.exceptions import GroupMismatchError
-from coordl.staging_collate import StagingCollate
 
 
 def join_group(name: str, dataset: CachedDataset, *, batch_size: int, drop_last: bool, shuffled: bool, generator,
@@ -74,7 +74,7 @@ class GroupFeed:
         dataset: the loader's dataset (its fetch path; the feed loads through an unfed view of it).
         batch_size, drop_last, shuffled: the loader's batching (members agree on them).
         collate_fn: the user's collate function (the share is collated with it; torch's ``default_collate``
-            as :class:`~coordl.staging_collate.StagingCollate`, straight into staging segments).
+            as :class:`~coordl._group.staging.StagingCollate`, straight into staging segments).
         loader_options: torch DataLoader options of this job's share loader (``num_workers``,
             ``worker_init_fn``, ``multiprocessing_context``, ``timeout``, ``prefetch_factor``,
             ``persistent_workers``, ``generator``).

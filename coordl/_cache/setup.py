@@ -13,16 +13,16 @@ import warnings
 
 import torch.utils.data
 
-from coordl._constants import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FRACTION
-from coordl._shm import free_shm_bytes, shm_dir, total_shm_bytes
-from coordl._sizes import format_bytes
-from coordl._sysinfo import available_memory_bytes
-from coordl.cached_dataset import CachedDataset, SampleCounters
-from coordl.minio_cache import MinIOCache, cache_segment_name, index_bytes
-from coordl.partitioned import PeerTier
-from coordl.partitioned import resolve as resolve_partitioned
-from coordl.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
-from coordl.storage import FileStorage
+from coordl._cache.minio import MinIOCache, cache_segment_name, index_bytes
+from coordl._core.settings import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FRACTION
+from coordl._core.shm import free_shm_bytes, shm_dir, total_shm_bytes
+from coordl._core.sizes import format_bytes
+from coordl._core.sysinfo import available_memory_bytes
+from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
+from coordl._fetch.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
+from coordl._fetch.storage import FileStorage
+from coordl._peer.tier import PeerTier
+from coordl._peer.tier import resolve as resolve_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     Args:
         capacity: the cache's size in bytes, None for ``"auto"``, 0 for no cache.
         decode: whether samples are decoded by the dataset's own code (False: the DALI backend decodes).
-        storage: where misses are read from (a ``coordl.storage.Storage``). Defaults to local files.
+        storage: where misses are read from (a ``coordl._fetch.storage.Storage``). Defaults to local files.
         partitioned: ``partitioned=`` of the loader (see ``partitioned.resolve``).
     """
     identity = peers = None

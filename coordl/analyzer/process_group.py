@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 
-from coordl._sysinfo import descendants, proc_stat
+from coordl._core.sysinfo import descendants, proc_stat
 
 TORCH_SHM = "/dev/shm"
 """Where torch's ``shm_open`` puts the segments that carry tensors between processes."""

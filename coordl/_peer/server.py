@@ -26,9 +26,9 @@ import socket
 import threading
 import time
 
-from coordl import _peer_wire as wire
-from coordl._worker import exit_when_orphaned
-from coordl.storage import is_current, stamper
+from coordl._core.worker import exit_when_orphaned
+from coordl._fetch.storage import is_current, stamper
+from coordl._peer import wire
 
 logger = logging.getLogger(__name__)
 

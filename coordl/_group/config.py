@@ -4,14 +4,14 @@ import logging
 
 import torch.utils.data
 
-from coordl._constants import AUTO_STAGING_BYTES, AUTO_STAGING_FRACTION
-from coordl._describe import describe
-from coordl._shm import free_shm_bytes
-from coordl._sizes import format_bytes, parse_size_option
-from coordl._sysinfo import available_memory_bytes
-from coordl.cached_dataset import CachedDataset
-from coordl.raw_datasets import dataset_identity
-from coordl.storage import FileStorage
+from coordl._core.settings import AUTO_STAGING_BYTES, AUTO_STAGING_FRACTION
+from coordl._core.shm import free_shm_bytes
+from coordl._core.sizes import format_bytes, parse_size_option
+from coordl._core.sysinfo import available_memory_bytes
+from coordl._fetch.cached_dataset import CachedDataset
+from coordl._fetch.raw_datasets import dataset_identity
+from coordl._fetch.storage import FileStorage
+from coordl._group.agreement import describe
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, 
 
     The dataset is identified by its type, length and, for datasets of files, their identity (see
     :func:`dataset_identity`; ``content`` hashes the files' bytes); its transforms and ``collate_fn``
-    by what defines them (see :mod:`coordl._describe`). With the DALI backend (``dali``, the loader's
+    by what defines them (see :mod:`coordl._group.agreement`). With the DALI backend (``dali``, the loader's
     ``DaliBackend``) its pipeline function, device and mode stand for ``collate_fn``. ``key``
     (``hp_group_key=``), if given, stands for the transforms, ``collate_fn`` and pipeline function.
 

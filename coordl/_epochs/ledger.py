@@ -10,7 +10,7 @@ With the DALI backend or in an hp_group, batches are not made by torch's fetcher
 *feed* prepares whole batches (a DALI pipeline; the group's producer and staging area) in the training
 process. At the start of a pass the feed gets torch's plan (and may replace it: a group's plan is the
 group's); the dataset proxy's ``__getitems__(indices)`` then takes the feed's next batch, checks it is
-the one planned, and hands it to torch wrapped in :class:`~coordl.cached_dataset.PreparedBatch`, which
+the one planned, and hands it to torch wrapped in :class:`~coordl._fetch.cached_dataset.PreparedBatch`, which
 the loader's collate function unwraps. A feed protocol: ``begin(batches, ahead) -> plan`` (``ahead``: a
 function returning the next pass's plan drawn ahead, or None; see NOTE [ Planning ahead ] in
 ``batch_sampler``), ``take(indices)``, ``end(complete)``, ``counters`` (a ``GroupCounters`` or None),
@@ -21,7 +21,7 @@ import logging
 import time
 import weakref
 
-from coordl.cached_dataset import CachedDataset
+from coordl._fetch.cached_dataset import CachedDataset
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 
 summary_logger = logging.getLogger("coordl")

@@ -48,8 +48,8 @@ import time
 import weakref
 from collections.abc import Callable
 
-from coordl._constants import SHM_DIR_ENV, SHM_PREFIX
-from coordl._sysinfo import proc_stat
+from coordl._core.settings import SHM_DIR_ENV, SHM_PREFIX
+from coordl._core.sysinfo import proc_stat
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate, default_collate_fn_map
 
-from coordl import _batch_codec
-from coordl._shm import create_unlocked, shm_dir, unlink_segment
-from coordl._sizes import format_bytes
+from coordl._core.shm import create_unlocked, shm_dir, unlink_segment
+from coordl._core.sizes import format_bytes
+from coordl._group import codec as _batch_codec
 from coordl.exceptions import ShmCapacityError, StagingError
 
 
@@ -62,8 +62,8 @@ class WrittenBatch:
 
 
 def _stack_later(batch, *, collate_fn_map=None):
-    """torch's tensor collation, with plain CPU tensors left as a :class:`~coordl._batch_codec.Stack` for
-    :func:`~coordl._batch_codec.write` to stack in place (others, and tensors that require grad, collated
+    """torch's tensor collation, with plain CPU tensors left as a :class:`~coordl._group.codec.Stack` for
+    :func:`~coordl._group.codec.write` to stack in place (others, and tensors that require grad, collated
     by torch, as torch collates them there)."""
     elem = batch[0]
     if type(elem) is not torch.Tensor or elem.device.type != "cpu" or elem.layout != torch.strided or \

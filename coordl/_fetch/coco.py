@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Callable
 import numpy as np
 
-from coordl.raw_datasets import FileDataset
+from coordl._fetch.raw_datasets import FileDataset
 
 
 class CocoDetection(FileDataset):

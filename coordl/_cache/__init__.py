@@ -1,0 +1,1 @@
+"""The node-wide MinIO cache of raw bytes in shared memory, and how a loader sizes and opens it."""

@@ -1,0 +1,1 @@
+"""What every feature stands on: shared-memory segments, sizes, system facts, worker helpers, logging, settings."""

@@ -1,0 +1,1 @@
+"""The DALI backend: the pipeline fed from the cache, and its presets."""
