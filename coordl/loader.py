@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from tqdm.auto import tqdm
 
 from coordl._cache.setup import CACHE_VERIFY, wrap_dataset
+from coordl._core import hooks
 from coordl._core.log import configure_from_env
 from coordl._core.settings import DEFAULT_GROUP_TIMEOUT_S
 from coordl._core.shm import shm_dir
@@ -30,7 +31,6 @@ from coordl._fetch.cached_dataset import CachedDataset, PreparedCollate, SampleC
 from coordl._fetch.raw_datasets import raw_source
 from coordl._group.config import check_group_compatible, check_group_options
 from coordl._peer.locality import LocalityPlan, locality_plan
-from coordl.analyzer import phases as analyzer_phases
 from coordl.stats import LoaderStats
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             The dataset and batch settings are still compared. Defaults to None: compare them.
         partitioned: in a job that spans several servers (torchrun), make the servers' caches one
             aggregate cache: a local miss is fetched from the server that caches the item before
-            storage (see :mod:`coordl._peer.tier`). ``"auto"``: on when torch.distributed's
+            storage (see :mod:`coordl.partitioned`). ``"auto"``: on when torch.distributed's
             environment shows several servers and the cache is on (never with ``hp_group``); ``True``:
             insist (fails without that environment, with ``cache_bytes=0`` or with ``hp_group``);
             ``False``: off. Defaults to ``"auto"``.
@@ -235,7 +235,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         group = hp_group if getattr(feed, "group", None) is not None else None
         self._cache_stats = _cache_fill(wrapped)  # not a bound method: the ledger must not keep this loader alive
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats), plan)
-        self.epoch_ledger.built_with = analyzer_phases.BuiltWith.of(self)
+        hooks.loader_built(self)
 
     def _feed(self, dali, staging_bytes, prep_options: dict):
         """The feed of prepared batches: the group's (hp_group), else the DALI pipeline's."""
@@ -281,9 +281,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     # -- iteration and bookkeeping ---------------------------------------------------------
 
     def __iter__(self):
-        if analyzer_phases.current() is not None:  # run by `coordl analyze` (analyzer/phases.py)
-            return analyzer_phases.observe(self, self._epoch_iterator)
-        return self._epoch_iterator()
+        return hooks.epoch(self, self._epoch_iterator)
 
     def _epoch_iterator(self) -> "_EpochIterator":
         self._fresh_counters()

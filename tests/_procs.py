@@ -387,7 +387,7 @@ def agree_peer_secret(rank: int, world: int, store_port: int, out: str):
     """Join a gloo group of ``world`` through the store at ``store_port`` as ``rank``, agree on the peers'
     secret as a partitioned loader does (none given), and write it to ``out`` (hex)."""
     import torch.distributed as dist
-    from coordl._peer import tier as partitioned
+    from coordl import partitioned
     for name in (partitioned.SECRET_ENV, partitioned.SECRET_FILE_ENV):
         os.environ.pop(name, None)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)

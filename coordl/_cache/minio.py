@@ -10,7 +10,7 @@ One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
   * header (4 KiB): int64 fields ``_H_*``, the dataset fingerprint (32 bytes), a label, and the
     mutex holder's info (``_shm.LOCK_INFO_AT``);
   * users (``MAX_CACHE_USERS`` x (pid, attach time ns)): who maps the cache, for display only;
-    row ``i`` belongs to whoever holds liveness slot ``i`` (see ``_shm`` NOTE [ Locks and liveness ]);
+    row ``i`` belongs to whoever holds liveness slot ``i`` (see ``_core.shm`` NOTE [ Locks and liveness ]);
   * index: ``offsets`` int64[N], ``lengths`` int64[N], ``stamps`` int64[N, 2] (the version of the
     file each item was read from, inode and ctime, see ``storage.Stamp``; zeros without one),
     ``status`` int32[N] with

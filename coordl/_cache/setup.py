@@ -22,7 +22,7 @@ from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
 from coordl._fetch.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
 from coordl._fetch.storage import FileStorage
 from coordl._peer.tier import PeerTier
-from coordl._peer.tier import resolve as resolve_partitioned
+from coordl._peer.topology import resolve as resolve_partitioned
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Turns on coordl's log output from the environment (``COORDL_LOG_LEVEL=INFO``), nothing else."""
 
 import logging
-import os
 
+from coordl._core import settings
 from coordl._core.settings import LOG_LEVEL_ENV
 
 _configured = False
@@ -17,7 +17,7 @@ def configure_from_env() -> None:
         ValueError: the variable names no logging level.
     """
     global _configured
-    level_name = os.environ.get(LOG_LEVEL_ENV)
+    level_name = settings.get(LOG_LEVEL_ENV)
     if _configured or not level_name:
         return
     level = logging.getLevelName(level_name.strip().upper())

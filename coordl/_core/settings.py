@@ -1,4 +1,29 @@
-"""Names, limits and defaults shared across coordl, each documented where it is defined."""
+"""Names, limits and defaults shared across coordl, each documented where it is defined, and the one reader of
+the process environment (:func:`get`, :func:`environ`): every ``COORDL_*`` setting and torchrun variable is
+read through it."""
+
+import os
+from collections.abc import Mapping
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """The environment variable ``name``, else ``default``."""
+    return os.environ.get(name, default)
+
+
+def environ() -> Mapping[str, str]:
+    """The whole environment (torchrun's variables, a child's environment), read-only."""
+    return os.environ
+
+
+OBSERVER_ENV = "COORDL_OBSERVER"
+"""Environment variable naming the data path's observer, "module:name" (``_core.hooks``; ``coordl analyze``
+sets it for each phase run of a script)."""
+
+
+def observer() -> str | None:
+    return get(OBSERVER_ENV)
+
 
 SHM_DIR_ENV = "COORDL_SHM_DIR"
 """Environment variable naming the tmpfs directory that holds coordl's shared memory (default /dev/shm):

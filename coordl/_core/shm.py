@@ -48,6 +48,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from coordl._core import settings
 from coordl._core.settings import SHM_DIR_ENV, SHM_PREFIX
 from coordl._core.sysinfo import proc_stat
 
@@ -71,7 +72,7 @@ _SEGMENTS: "weakref.WeakSet[Segment]" = weakref.WeakSet()
 
 def shm_dir() -> str:
     """Where segments live: ``$COORDL_SHM_DIR`` if set (a tmpfs directory), else /dev/shm."""
-    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
+    return settings.get(SHM_DIR_ENV) or "/dev/shm"
 
 
 def free_shm_bytes() -> int:

@@ -41,3 +41,10 @@ def own_row(rows: int) -> int:
         from torch.utils.data import get_worker_info as _worker_info
     info = _worker_info()
     return 0 if info is None or rows == 1 else 1 + info.id % (rows - 1)
+
+
+def stop_thread(thread: threading.Thread, stop, join_s: float) -> None:
+    """``stop()``, then wait (at most ``join_s``) for ``thread`` to end."""
+    stop()
+    if thread is not threading.current_thread():
+        thread.join(join_s)

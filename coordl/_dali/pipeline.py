@@ -525,7 +525,7 @@ class DaliBackend:
 
 
 class DaliFeed:
-    """A loader's DALI pipeline as its feed (see ``epoch_ledger`` NOTE [ Feeds ]): each pass, torch's plan
+    """A loader's DALI pipeline as its feed (see ``_epochs.ledger`` NOTE [ Feeds ]): each pass, torch's plan
     through the pipeline, batch by batch.
 
     Lifecycle: :meth:`close` drops the pipeline.

@@ -37,8 +37,8 @@ import torch.utils.data
 import torch.utils.data.distributed
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
+from coordl._core import hooks
 from coordl._epochs import resume_state
-from coordl.analyzer import phases as analyzer_phases
 
 _DRAWN_AHEAD = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
                 torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
@@ -195,9 +195,7 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
     def __iter__(self):
         if self.epochs is None:
             return self.plain_batches()
-        if analyzer_phases.current() is not None:  # run by `coordl analyze` (analyzer/phases.py)
-            return analyzer_phases.observe_pass(self, lambda: EpochPass(self))
-        return EpochPass(self)
+        return hooks.epoch_pass(self, lambda: EpochPass(self))
 
     def __len__(self) -> int:
         return len(self.batches) if self.batches is not None else super().__len__()

@@ -69,13 +69,13 @@ class EpochLedger:
         group: the hp_group's name, for the statistics, or None.
         cache_stats: a function returning the cache's fill (or None).
 
-    ``built_with``: the settings of the loader it is of (``analyzer.phases.BuiltWith``), what ``coordl
-    analyze`` measures a torch DataLoader built from the loader's parts with; set by the loader.
+    ``observed``: what an observer of the data path keeps with this ledger (``_core.hooks``); it travels
+    with the ledger to other processes.
     """
 
     def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None):
         self.dataset, self.feed, self.group, self._cache_stats = dataset, feed, group, cache_stats
-        self.built_with = None
+        self.observed: dict = {}
         self.epochs: list[EpochStats] = []
         self.current: _Running | None = None
         self._group_stats = None

@@ -26,7 +26,7 @@ and the time spent reading storage, waiting for peers and preparing samples (dec
 (_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES, _STORAGE_NS, _PEER_NS,
  _PREP_NS) = range(len(COUNTER_FIELDS))
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
-_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "replay"))
+_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "batch_hook"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
@@ -91,10 +91,11 @@ class CachedDataset(torch.utils.data.Dataset):
             that a loader re-created from this one (Lightning, Accelerate) names the same cache.
         peers: the other servers' caches in a partitioned job (``partitioned.PeerTier``), or None.
 
-    With a feed (``feed``, set by the loader: see ``epoch_ledger`` NOTE [ Feeds ]), ``__getitems__`` hands
+    With a feed (``feed``, set by the loader: see ``_epochs.ledger`` NOTE [ Feeds ]), ``__getitems__`` hands
     out the feed's prepared batches instead of fetching samples. A feed lives in the training process:
     a copy of the dataset in a worker process refuses to load rather than return undecoded samples.
-    ``replay`` is set only in ``coordl analyze``'s ingestion phase (``analyzer.phases.FirstBatches``).
+    ``batch_hook``, set by an observer of the data path (``_core.hooks``) before workers start, stands in
+    for a batch's load: ``batch_hook(load, indices, feed)``.
     """
 
     def __init__(self, dataset, source: RawBytesDataset | None, cache: MinIOCache | None,
@@ -107,7 +108,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.identity = identity
         self.peers = peers
         self.feed = None
-        self.replay = None
+        self.batch_hook = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -151,7 +152,7 @@ class CachedDataset(torch.utils.data.Dataset):
     def fetch_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """Raw bytes of each of ``indices``: from the node's cache (``views``: as read-only views into it,
         no copy; see ``MinIOCache.view``), else (partitioned) from the peer that
-        caches it, else from storage, offered to the cache (see ``partitioned`` NOTE [ Peer read path ]:
+        caches it, else from storage, offered to the cache (see ``_peer.tier`` NOTE [ Peer read path ]:
         peers are asked for all of a batch's misses before storage is read).
 
         With a storage that stamps its files (``FileStorage``), a cached item is served only while its
@@ -161,11 +162,11 @@ class CachedDataset(torch.utils.data.Dataset):
         this server's file's (where the peer reads the same storage). Bytes from a peer are not inserted:
         the peer holds them already, and neither are bytes read from storage because the peer that the map
         says holds them did not deliver (or its copy was stale). Bytes from storage that a full cache cannot
-        take are handed, with their stamp, to a peer with room (``partitioned`` NOTE [ Hand-off ]).
+        take are handed, with their stamp, to a peer with room (``_peer.handoff`` NOTE [ Hand-off ]).
         """
         if self.cache is not None and torch.utils.data.get_worker_info() is not None:
             exit_when_orphaned(self._release)
-        raws = self._cached_many(indices, row, views)
+        raws = self.cached_many(indices, row, views)
         misses = [k for k, raw in enumerate(raws) if raw is None]
         if not misses:
             return raws
@@ -208,7 +209,7 @@ class CachedDataset(torch.utils.data.Dataset):
         row[_PEER_BYTES] += len(raw)
         return raw
 
-    def _cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
+    def cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """The node's cached bytes of each of ``indices`` (``views``: views, not copies) that is current, else
         None; counted as hits, and as stale if cached but not current."""
         cache = self.cache
@@ -276,8 +277,8 @@ class CachedDataset(torch.utils.data.Dataset):
             raise
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        if self.replay is not None:  # coordl analyze's ingestion phase (analyzer/phases.py FirstBatches)
-            return self.replay(self._batch, indices, self.feed)
+        if self.batch_hook is not None:
+            return self.batch_hook(self._batch, indices, self.feed)
         return self._batch(indices)
 
     def _batch(self, indices: list[int]) -> list[Any]:

@@ -4,7 +4,7 @@ NOTE [ Producer and consumer ]
 A producer thread pulls this job's share from its own loader (torch's iterator over the job's workers,
 or the job's DALI pipeline), publishes each batch into the group's staging area (one copy into shared
 memory, or none where the workers wrote the batch into a segment of its own, which is renamed:
-``staging_collate`` NOTE [ Written batches ]) and then hands it to this job's consumer (its large
+``_group.staging`` NOTE [ Written batches ]) and then hands it to this job's consumer (its large
 tensors mapped from the segment, or torch's own) without a copy. Batches taken over from a failed member
 are prepared in the producer thread itself. The consumer (the training loop's ``next()``) walks the plan
 in order: its own batches come from the producer, the others' are mapped copy-on-write from the staging

@@ -1,6 +1,6 @@
 """An hp_group member's feed: each epoch joins the group's epoch and serves the group's plan in order.
 
-The feed of a loader in an hp_group (see ``epoch_ledger`` NOTE [ Feeds ]). At each pass it waits for
+The feed of a loader in an hp_group (see ``_epochs.ledger`` NOTE [ Feeds ]). At each pass it waits for
 the group's next epoch, prepares this job's share (through its own torch workers, or its DALI
 pipeline) in a :class:`~coordl._group.epoch.CoordinatedEpoch`, and hands the training process every
 batch of the group's plan, its own and the others', in order.

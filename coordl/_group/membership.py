@@ -15,7 +15,7 @@ epoch has arrived, or has finished it and not come back within the timeout (it t
 after); the group's first epoch also waits, up to the timeout, for ``hp_group_size`` arrivals. So
 membership changes only at epoch boundaries, and a job starting mid-epoch waits for the next one.
 Waiting members check liveness every ``LIVENESS_POLL_S``, so nobody waits on a dead process. A member's
-liveness is the kernel lock on its slot (see ``_shm`` NOTE [ Locks and liveness ]): it holds whatever
+liveness is the kernel lock on its slot (see ``_core.shm`` NOTE [ Locks and liveness ]): it holds whatever
 PID namespace the member runs in, and the kernel drops it, like the mutex, when the member dies.
 
 NOTE [ Lifecycle ]

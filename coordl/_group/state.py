@@ -268,13 +268,13 @@ class GroupState:
         row[_M_PID], row[_M_JOINED_NS], row[_M_EXPECT] = pid, time.time_ns(), expected_members
 
     def written_prefix(self, slot: int) -> str:
-        """Prefix of the batches member ``slot`` writes before staging them (``staging_collate`` NOTE
+        """Prefix of the batches member ``slot`` writes before staging them (``_group.staging`` NOTE
         [ Written batches ]): its slot and join time, so a later member in the slot has another."""
         return f"{self.prefix}w{slot}-{int(self.members[slot, _M_JOINED_NS]):x}-"
 
     def remove_strays(self) -> None:
         """Remove batches written for members no longer in the group: a dead member's orphaned workers may
-        write one after it was reaped (``staging_collate`` NOTE [ Written batches ])."""
+        write one after it was reaped (``_group.staging`` NOTE [ Written batches ])."""
         members = np.flatnonzero(self.members[:, _M_PID])
         unlink_segments(f"{self.prefix}w", keep=tuple(self.written_prefix(int(slot)) for slot in members))
 

@@ -12,7 +12,7 @@ and each server's samples are split among its local ranks. Off-server traffic dr
 NOTE [ Locality assignment ]
 Every rank computes every global batch from the sampler's seed and epoch (the permutation
 ``DistributedSampler`` draws, padded or cut as it does; checked against the rank's own sampler) and the
-ownership map of ``partitioned`` NOTE [ Ownership ], identical on every rank, so all ranks agree without
+ownership map of ``_peer.tier`` NOTE [ Ownership ], identical on every rank, so all ranks agree without
 exchanging a byte per step. For a global batch of ``p x L x b`` positions (p servers of L ranks, local
 batch b):
   1. server s keeps the positions it owns, in batch order, up to its quota L x b; the rest is surplus;

@@ -3,7 +3,7 @@
 One per node and cache, started by the node's local rank 0 (``partitioned``) as a forked child process,
 as torch forks its DataLoader workers, so serving never takes the training loop's GIL and reads the
 dataset's keys without pickling them. It exits when that rank tells it to (closing the loader), exits
-or dies (it polls its parent). See ``_peer_wire`` NOTE [ Peer wire ] for the protocol.
+or dies (it polls its parent). See ``_peer.wire`` NOTE [ Peer wire ] for the protocol.
 
 Each client gets a thread. A client that fails the handshake, sends a malformed or oversized frame, a
 bad tag, an id out of range, or takes more than ``frame_s`` to send a frame it has begun is dropped; the
@@ -16,7 +16,7 @@ server's fetching threads connecting together) and ``max_clients`` in all: past 
 closed before the greeting. So silent connections from one address cannot keep out a peer at another.
 Authenticated clients, at most ``max_clients`` (sized from the job: :func:`job_limits`), are dropped
 after ``idle_s`` (30 s) between requests; a client reopens its connection when it finds it closed
-(``partitioned`` NOTE [ Peer read path ]), so a job's kept connections never pile up to the cap.
+(``_peer.tier`` NOTE [ Peer read path ]), so a job's kept connections never pile up to the cap.
 """
 
 import collections
@@ -55,7 +55,7 @@ class PeerServer:
     that know ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes
     their hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one), saying ``storage_id``
     (see :func:`storage_id`), ``sample`` (:func:`copy_sample`) and ``binding`` (the job's loader it serves:
-    ``_peer_wire`` NOTE [ Peer wire ]);
+    ``_peer.wire`` NOTE [ Peer wire ]);
     the limits are NOTE [ Peer server limits ]'s."""
 
     def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
@@ -158,7 +158,7 @@ class PeerServer:
 
 
 def storage_id(storage, first_key) -> bytes:
-    """This server's storage id (``_peer_wire`` NOTE [ Peer wire ]): a digest of its stamp of the dataset's
+    """This server's storage id (``_peer.wire`` NOTE [ Peer wire ]): a digest of its stamp of the dataset's
     first file ``first_key``, the same on every server that reads the same files; ``wire.NO_STORAGE`` with
     a storage that stamps nothing, or no such file."""
     stamp = stamper(storage)
@@ -169,7 +169,7 @@ def storage_id(storage, first_key) -> bytes:
 
 
 def copy_sample(storage, source) -> bytes:
-    """This server's sample of its copy of the dataset (``_peer_wire`` NOTE [ Peer wire ]): its files' sizes
+    """This server's sample of its copy of the dataset (``_peer.wire`` NOTE [ Peer wire ]): its files' sizes
     from their stamps and digests of a few files' bytes; ``wire.NO_SAMPLE`` with a storage that stamps
     nothing (its keys name immutable bytes)."""
     stamp = stamper(storage)

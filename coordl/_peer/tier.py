@@ -30,7 +30,7 @@ owning peer for the batch's remaining misses (all sent before any reply is read)
 peer holds from storage meanwhile, then collects the replies, and reads from storage whatever a peer
 did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight, so requests for
 later batches of the plan are out while the training loop consumes earlier ones. Each thread keeps its
-connection to a peer between batches; one the peer closed meanwhile (idle, ``peer_server`` NOTE [ Peer
+connection to a peer between batches; one the peer closed meanwhile (idle, ``_peer.server`` NOTE [ Peer
 server limits ]) is reopened, also one closed as the requests went out (they go again, once, before any
 reply). A peer that refuses the connection, breaks the protocol, or does not deliver a whole reply
 within ``COORDL_PEER_TIMEOUT_S`` (default 1 s) plus its bytes at ``wire.MIN_RATE`` (a slow link) is
@@ -40,40 +40,6 @@ item whose stamp is not this server's file's (where the peer reads the same stor
 storage too. An item read from storage because its owner did not deliver it is not cached here, even
 with room: its copy is the owner's while the map names it (a server gone from the next map owns
 nothing, and its items are then cached where they are read).
-
-NOTE [ Hand-off ]
-A server's share of an epoch is random, so with an aggregate cache of about the dataset some caches
-fill before their server's share is in while others keep room: without help, what overflowed would be
-read from storage again in later epochs. So a process that reads an item no server holds from storage
-while its node's cache is full hands the bytes (in the background, never delaying the batch) to the
-next server, in turn, that still takes items, with the stamp of the read that produced them; that
-server keeps them as if read from its own storage, and the next map exchange makes it the owner. It
-declines them if it holds the item already or its own file is missing or another version: where both
-servers read the same storage (``_peer_wire`` NOTE [ Peer wire ]), one whose stamp is not the read's,
-so a file edited between the read and the hand-off is never kept as current; where it keeps its own
-copy of the dataset, one of another length (copies are trusted to hold the same bytes once their
-samples matched at the handshake: ``_peer_wire`` NOTE [ Peer wire ]). A server that
-answers ``FULL`` (or whose map says frozen) gets no more; one that fails a hand-off gets no more from
-that process (its reads are not affected). A process drains its queue (for at most ``HANDOFF_DRAIN_S``) before it exits,
-as a torch worker does at its epoch's end, and a rank before it starts an epoch; every live server's
-ranks must have started the epoch before any map is taken. So the caches fill up to the sum of their
-capacities in epoch 1 and storage is read once, except for what was not handed off in time: an item
-past the per-process queue of ``HANDOFF_QUEUE_BYTES``, or the last hand-offs of persistent workers
-(which do not exit between epochs) still on their way when the map is taken. Those are read from
-storage again in the next epoch, as without hand-offs (a server with room then caches them; one that
-received a late hand-off may hold a second copy, wasted capacity, never a wrong byte).
-
-NOTE [ Security ]
-Peers authenticate each connection with HMAC challenge-response over a per-job secret, and every
-request, reply item, hand-off and answer after it with a tag under the connection's own key (see
-``_peer_wire``), so no one without the secret, a relay in the middle included, can alter a byte unseen.
-The secret never goes through the rendezvous store, which anyone who can reach it may read and write
-(torchrun's ``TCPStore`` has no authentication): it is ``COORDL_PEER_SECRET`` or the file
-``COORDL_PEER_SECRET_FILE`` names, the same on every server, else random bytes rank 0 draws and
-broadcasts over torch.distributed's default process group once it is initialized (only the job's ranks
-are in it). With neither, partitioned caching stays off ("auto", saying why) or fails (True). The
-server binds the address this server uses to reach the store
-(``MASTER_ADDR``), never every interface, unless ``COORDL_PEER_HOST`` says otherwise.
 
 NOTE [ Threads at exit ]
 A daemon thread inside a call into torch (a tensor op, a store request: torch lets go of the GIL there)
@@ -86,50 +52,41 @@ store, waits there in short calls (``ADDRESS_WAIT_S``) between which it looks at
 stopped and joined at exit (a ``weakref.finalize``) before finalization begins.
 """
 
-import collections
-import dataclasses
+
 import datetime
 import hashlib
-import ipaddress
 import logging
-import math
-import multiprocessing
-import multiprocessing.util
 import os
-import secrets
 import select
 import socket
-import struct
 import threading
 import time
-import warnings
 import weakref
-import zlib
 
 import numpy as np
 import torch
 import torch.distributed
 
-from coordl._core.worker import own_row
+from coordl._core.worker import own_row, stop_thread
 from coordl._peer import server as peer_server
 from coordl._peer import wire
+from coordl._peer import handoff
+from coordl._peer.handoff import HandOffQueue
+from coordl._peer.launch import start_server
+from coordl._peer.maps import decode_map, encode_map, owners_of
+from coordl._peer.secret import job_secret, loader_binding
+from coordl._peer.state import C_BYTES, C_HANDED, C_HANDED_BYTES, C_ITEMS, C_REQUESTS, C_WAIT_NS, PeerState
+from coordl._peer.topology import (
+    EXCHANGE_ENV,
+    EXCHANGE_TIMEOUT_S,
+    PEER_TIMEOUT_S,
+    TIMEOUT_ENV,
+    Topology,
+    seconds_setting,
+)
 
 logger = logging.getLogger(__name__)
 
-PARTITIONED = ("auto", True, False)
-SECRET_ENV = "COORDL_PEER_SECRET"
-SECRET_FILE_ENV = "COORDL_PEER_SECRET_FILE"
-SECRET_BYTES = 32
-"""The length of the secret rank 0 draws when none is given."""
-HOST_ENV = "COORDL_PEER_HOST"
-PORT_ENV = "COORDL_PEER_PORT"
-TIMEOUT_ENV = "COORDL_PEER_TIMEOUT_S"
-PEER_TIMEOUT_S = 1.0
-"""Default connect and inactivity timeout of a peer request (``COORDL_PEER_TIMEOUT_S``)."""
-EXCHANGE_ENV = "COORDL_PEER_EXCHANGE_S"
-EXCHANGE_TIMEOUT_S = 60.0
-"""Default of how long, in all, an epoch start waits for the servers' maps (``COORDL_PEER_EXCHANGE_S``;
-servers start epochs together in DDP); a server whose peer server refuses connections is not waited for."""
 STORE_UP_S = 5.0
 """How long a rank waits for the rendezvous store to accept once torch.distributed's group is up."""
 ADDRESS_WAIT_S = 0.5
@@ -138,22 +95,8 @@ ADDRESS_RETRY_S = 0.05
 """How long the address learner pauses between two waits."""
 THREAD_JOIN_S = 2.0  # > ADDRESS_WAIT_S
 """How long a stopping process waits for the address learner to end (NOTE [ Threads at exit ])."""
-HANDOFF_JOIN_S = 0.5
-"""How long a closing sender, drained, is waited for to end."""
 CLOSE_WAIT_S = 10.0
 """How long a closing peer server keeps serving for the other servers' ranks still loading."""
-_MAX_NODES = 4096
-_ADDR_BYTES = 64
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-(_ITEMS, _BYTES, _REQUESTS, _WAIT_NS, _HANDED, _HANDED_BYTES) = range(6)
-PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns", "handed_off", "handed_off_bytes")
-HANDOFF_QUEUE_BYTES = 64 * 2**20
-"""Bytes a process's hand-offs may queue for its sender (NOTE [ Hand-off ])."""
-HANDOFF_IDLE_S = 1.0
-"""How long a sender keeps its connections with nothing to hand off."""
-HANDOFF_DRAIN_S = 4.0
-"""How long an exiting process (or a rank starting an epoch) waits for its hand-offs: less than torch gives
-an exiting worker before terminating it (5 s)."""
 _loaders_built: dict[str, int] = {}  # per dataset: partitioned loaders this process built
 _built_lock = threading.Lock()
 _threads_lock = threading.Lock()
@@ -165,233 +108,6 @@ def _reset_threads_lock() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_threads_lock)
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    """Where this rank is in a torchrun job: ``node`` of ``nodes`` servers, ``local_rank`` of ``local_world``."""
-
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-    node: int
-    nodes: int
-    master_addr: str
-    master_port: int
-    run: str
-
-    @classmethod
-    def from_env(cls, environ=os.environ) -> "Topology | None":
-        """torchrun's (or torch.distributed's ``env://``) variables, None when they are not all set."""
-        if any(name not in environ for name in _ENV):
-            return None
-        world = _whole(environ, "WORLD_SIZE", 1)
-        local_world = _whole(environ, "LOCAL_WORLD_SIZE", 1, world)
-        rank, local_rank = _whole(environ, "RANK", 0, world - 1), _whole(environ, "LOCAL_RANK", 0, local_world - 1)
-        nodes = _whole(environ, "GROUP_WORLD_SIZE", 1, world, default=max(1, world // local_world))
-        node = _whole(environ, "GROUP_RANK", 0, nodes - 1, default=rank // local_world)
-        if not node < nodes:
-            raise ValueError(f"RANK {rank} with LOCAL_WORLD_SIZE {local_world} makes server {node}, but "
-                             f"GROUP_WORLD_SIZE is {nodes}: set GROUP_RANK (torchrun does)")
-        run = f"{environ.get('TORCHELASTIC_RUN_ID', 'none')}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        return cls(rank, world, local_rank, local_world, node, nodes, environ["MASTER_ADDR"],
-                   _whole(environ, "MASTER_PORT", 1, 65535), run)
-
-
-def _whole(environ, name: str, low: int, high: int | None = None, default: int | None = None) -> int:
-    """The whole number in the environment variable ``name``, from ``low`` to ``high``, else a ``ValueError``
-    naming it; ``default`` where it is not set."""
-    given = environ.get(name)
-    if given is None and default is not None:
-        return default
-    try:
-        value = int(given)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value < low or (high is not None and value > high):
-        bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
-        raise ValueError(f"{name} should be a whole number {bounds}, but got {given!r}")
-    return value
-
-
-def resolve(partitioned, cache_on: bool) -> Topology | None:
-    """The topology to partition over for ``partitioned=``, or None when partitioned caching is off."""
-    if partitioned not in PARTITIONED or not isinstance(partitioned, (str, bool)):
-        raise ValueError(f"partitioned should be 'auto', True or False, but got partitioned={partitioned!r}")
-    if partitioned is False:
-        return None
-    topology = Topology.from_env()
-    if partitioned is True:
-        if topology is None:
-            missing = [name for name in _ENV if name not in os.environ]
-            raise RuntimeError(f"partitioned=True needs torch.distributed's environment (launch with torchrun); "
-                               f"{', '.join(missing)} not set")
-        if not cache_on:
-            raise ValueError("partitioned=True needs the cache: cache_bytes=0 turns it off")
-        if topology.nodes > _MAX_NODES:
-            raise ValueError(f"partitioned caching supports up to {_MAX_NODES} servers, not {topology.nodes}")
-        _secret_known(True)
-        return topology
-    if topology is None or topology.nodes < 2 or not cache_on or topology.nodes > _MAX_NODES:
-        return None
-    return topology if _secret_known(partitioned) else None
-
-
-def _secret_known(partitioned) -> bool:
-    """Whether the peers' secret can be had without the rendezvous store (see NOTE [ Security ]): given, or
-    agreed over torch.distributed's process group. Without it ``partitioned=True`` fails and "auto" turns
-    partitioned caching off, saying why."""
-    if os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV) or (torch.distributed.is_available() and
-                                                                       torch.distributed.is_initialized()):
-        return True
-    why = (f"partitioned caching needs a secret the rendezvous store does not hold: call "
-           f"torch.distributed.init_process_group before building the loader (rank 0 then draws one and sends "
-           f"it over the group), or give every server the same one in {SECRET_ENV} or a file named by "
-           f"{SECRET_FILE_ENV}")
-    if partitioned is True:
-        raise RuntimeError(why)
-    warnings.warn(f"{why}; each server caches on its own", stacklevel=2)
-    return False
-
-
-def job_secret(topology: Topology) -> bytes:
-    """The peers' secret: ``COORDL_PEER_SECRET``, else the contents of the file ``COORDL_PEER_SECRET_FILE``
-    names (readable by its owner only), else :data:`SECRET_BYTES` random bytes rank 0 draws and broadcasts
-    over torch.distributed's default process group (which only the job's ranks join; a collective, as every
-    rank builds its loaders alike)."""
-    given = os.environ.get(SECRET_ENV)
-    if given:
-        return given.encode()
-    path = os.environ.get(SECRET_FILE_ENV)
-    if path:
-        return _secret_from_file(path)
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    drawn = secrets.token_bytes(SECRET_BYTES) if topology.rank == 0 else bytes(SECRET_BYTES)
-    secret = torch.frombuffer(bytearray(drawn), dtype=torch.uint8).to(device)
-    torch.distributed.broadcast(secret, src=0)
-    return bytes(secret.cpu().numpy())
-
-
-def loader_binding(store, prefix: str) -> bytes:
-    """This loader's binding in the peers' handshakes (NOTE [ Security ]): a digest of its store ``prefix``
-    and of the nonce under it in ``store`` (drawn here if no rank has yet)."""
-    drawn = secrets.token_hex(16)
-    nonce = bytes(store.compare_set("binding", "", drawn)).decode()
-    return hashlib.blake2b(f"{prefix}\0{nonce}".encode(), digest_size=wire.BINDING_BYTES).digest()
-
-
-def _secret_from_file(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_mode & 0o077:
-                raise ValueError(f"{SECRET_FILE_ENV}={path!r} can be read or written by others than its owner: "
-                                 f"chmod 600 it (the peers' secret must be private to the job)")
-            secret = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"{SECRET_FILE_ENV}={path!r} cannot be read: {e}") from None
-    if not secret:
-        raise ValueError(f"{SECRET_FILE_ENV}={path!r} is empty: it should hold the peers' secret")
-    return secret
-
-
-def owners_of(maps: list[np.ndarray | None], n_items: int) -> np.ndarray:
-    """``owner[i]``: the lowest node whose bool map holds item ``i``, -1 where none does (None: a node
-    whose map is unknown holds nothing; with none known, every item comes from storage)."""
-    owner = np.full(n_items, -1, dtype=np.int16)
-    for node in range(len(maps) - 1, -1, -1):
-        if maps[node] is not None:
-            owner[maps[node]] = node
-    return owner
-
-
-def encode_map(ready: np.ndarray, frozen: bool) -> bytes:
-    """A node's map for the store: frozen flag, item count, zlib of its ready bitmap."""
-    return struct.pack("!BQ", int(frozen), len(ready)) + zlib.compress(np.packbits(ready).tobytes(), 1)
-
-
-def decode_map(blob: bytes, n_items: int) -> tuple[np.ndarray, bool]:
-    frozen, n = struct.unpack_from("!BQ", blob)
-    if n != n_items:
-        raise RuntimeError(f"coordl partitioned caching: a server's dataset has {n} items, this one {n_items}; "
-                           "every server must load the same dataset")
-    bits = np.frombuffer(zlib.decompress(blob[9:]), dtype=np.uint8)
-    return np.unpackbits(bits, count=n).astype(bool), bool(frozen)
-
-
-class PeerState:
-    """What a rank's processes share about the peers: ``owner`` int16[N], ``meta`` (map version, final),
-    ``down`` flags per node (this epoch) and ``warned`` (said so), ``full`` (its cache takes no more), their
-    ``addresses``, and per-process, per-node counters (:data:`PEER_COUNTERS`). Torch shared tensors underneath,
-    so it travels to DataLoader workers (forked or spawned); each field is a numpy view of its tensor, made
-    when the state is built or unpickled, so that the background threads never call into torch (NOTE [ Threads
-    at exit ])."""
-
-    def __init__(self, n_items: int, nodes: int, processes: int):
-        self._shared = {
-            "owner": torch.full((n_items,), -1, dtype=torch.int16),
-            "meta": torch.zeros(2, dtype=torch.int64),
-            "down": torch.zeros(nodes, dtype=torch.int32),
-            "warned": torch.zeros(nodes, dtype=torch.int32),
-            "full": torch.zeros(nodes, dtype=torch.int32),
-            "addresses": torch.zeros((nodes, _ADDR_BYTES), dtype=torch.uint8),
-            "counters": torch.zeros((max(processes, 1), nodes, len(PEER_COUNTERS)), dtype=torch.int64),
-        }
-        for tensor in self._shared.values():
-            tensor.share_memory_()
-        self._view()
-
-    def __getstate__(self) -> dict:
-        return self._shared
-
-    def __setstate__(self, shared: dict) -> None:
-        self._shared = shared
-        self._view()
-
-    def _view(self) -> None:
-        for name, tensor in self._shared.items():
-            setattr(self, name, tensor.numpy())
-
-    def address(self, node: int) -> tuple[str, int] | None:
-        row = self.addresses[node]
-        length = int(row[0])  # written last (see set_address): nonzero means the text is all there
-        if not length:
-            return None
-        host, port = bytes(row[1:1 + length]).decode().rsplit(":", 1)
-        return host, int(port)
-
-    def set_address(self, node: int, text: str) -> None:
-        """Record ``node``'s address (once: a peer server keeps its address for the run). The text goes in
-        first and its length last, so a process reading meanwhile sees no address or all of it."""
-        raw = text.encode()
-        if len(raw) >= _ADDR_BYTES:
-            raise ValueError(f"server {node}'s address {text!r} is longer than {_ADDR_BYTES - 1} bytes")
-        row = self.addresses[node]
-        row[1:1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        row[0] = len(raw)
-
-
-def _local_address(topology: Topology) -> str:
-    """The address this server uses to reach the rendezvous store (a UDP connect sends nothing)."""
-    if os.environ.get(HOST_ENV):
-        host = os.environ[HOST_ENV]
-        try:
-            wildcard = ipaddress.ip_address(host).is_unspecified
-        except ValueError:  # a host name
-            wildcard = False
-        if wildcard:
-            raise ValueError(f"{HOST_ENV} should be an address the other servers can reach this one at, but got "
-                             f"{host!r}, which names none (unset it to use the one this server reaches MASTER_ADDR "
-                             f"from)")
-        return host
-    family = socket.AF_INET6 if ":" in topology.master_addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((topology.master_addr, topology.master_port))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 def _store(topology: Topology, prefix: str, wait_s: float):
@@ -423,17 +139,6 @@ def _store_wait_s(exchange_s: float) -> float:
     return exchange_s
 
 
-def _seconds(name: str, default: float) -> float:
-    """A positive, finite number of seconds from the environment variable ``name``."""
-    try:
-        value = float(os.environ.get(name, default))
-    except ValueError:
-        raise ValueError(f"{name} should be a number of seconds, but got {os.environ[name]!r}") from None
-    if not 0 < value < math.inf:
-        raise ValueError(f"{name} should be a positive, finite number of seconds, but got {os.environ[name]!r}")
-    return value
-
-
 class PeerTier:
     """A rank's part in partitioned caching: the ownership map and peer addresses (exchanged by the
     training process at epoch starts, see NOTE [ Ownership ]), this node's peer server (started by local
@@ -455,8 +160,8 @@ class PeerTier:
         self.topology, self.n_items = topology, len(source)
         self.prefix = f"coordl/{topology.run}/{dataset}/{ordinal}/"
         self.state = PeerState(self.n_items, topology.nodes, processes)
-        self.timeout_s = _seconds(TIMEOUT_ENV, PEER_TIMEOUT_S)
-        self.exchange_s = _seconds(EXCHANGE_ENV, EXCHANGE_TIMEOUT_S)
+        self.timeout_s = seconds_setting(TIMEOUT_ENV, PEER_TIMEOUT_S)
+        self.exchange_s = seconds_setting(EXCHANGE_ENV, EXCHANGE_TIMEOUT_S)
         self._store = _store(topology, self.prefix, _store_wait_s(self.exchange_s))
         self.secret = job_secret(topology)
         self.binding = loader_binding(self._store, self.prefix)
@@ -467,13 +172,13 @@ class PeerTier:
         self._absent: set[int] = set()  # servers missing from the last map: not waited for again
         self._said_missing: tuple = ()
         self._threads = None  # (pid, threading.local, every thread's connections): see _connections
-        self._hand_off = None  # (pid, _HandOff): this process's sender
+        self._hand_off = None  # (pid, HandOffQueue): this process's sender
         self._address_wait_s = 0.0  # how long this process's sender has waited for peer addresses
         self._refused: set[int] = set()  # servers this process's sender stopped handing off to
         if topology.local_rank == 0:
             cache.mark_partition(topology.node, topology.nodes)
             limits = peer_server.job_limits(topology.nodes, topology.local_world, processes)
-            self._server = _start_server(cache, source, storage, self.secret, (self.storage_id, self.sample),
+            self._server = start_server(cache, source, storage, self.secret, (self.storage_id, self.sample),
                                          self.binding, limits, topology, sum(_loaders_built.values()) - 1)
             host, port = self._server.address
             self.state.set_address(topology.node, f"{host}:{port}")  # checks that it fits, here where it is made
@@ -505,7 +210,7 @@ class PeerTier:
                 learner = threading.Thread(target=self._learn_addresses, args=(missing, stop),
                                            name="coordl-peer-addresses", daemon=True)
                 learner.start()
-                weakref.finalize(self, _stop_thread, learner, stop.set)  # at exit, or with this tier
+                weakref.finalize(self, stop_thread, learner, stop.set, THREAD_JOIN_S)  # at exit, or with this tier
         if epoch < 2 or self.state.meta[1]:
             return
         deadline = time.monotonic() + self.exchange_s
@@ -658,7 +363,7 @@ class PeerTier:
         pid = os.getpid()
         with _threads_lock:
             if self._hand_off is None or self._hand_off[0] != pid:
-                self._hand_off = (pid, _HandOff(self._hand_to_a_peer, self._close_thread_connections))
+                self._hand_off = (pid, HandOffQueue(self._hand_to_a_peer, self._close_thread_connections))
                 self._address_wait_s, self._refused = 0.0, set()
         self._hand_off[1].offer(index, raw, stamp)
 
@@ -674,7 +379,7 @@ class PeerTier:
             candidates = [n for n in candidates if not state.full[n] and not state.down[n] and n not in self._refused]
             if not candidates or any(state.address(n) is not None for n in candidates):
                 break
-            if self._address_wait_s >= HANDOFF_DRAIN_S:
+            if self._address_wait_s >= handoff.HANDOFF_DRAIN_S:
                 return
             time.sleep(0.05)
             self._address_wait_s += 0.05
@@ -694,8 +399,8 @@ class PeerTier:
                 state.full[node] = 1
                 continue
             if outcome == wire.STORED:
-                row[node, _HANDED] += 1
-                row[node, _HANDED_BYTES] += len(raw)
+                row[node, C_HANDED] += 1
+                row[node, C_HANDED_BYTES] += len(raw)
             return
 
     def _close_connection(self, node: int) -> None:
@@ -722,7 +427,7 @@ class PeerTier:
 
     def _connection(self, node: int) -> wire.Channel:
         """This thread's connection to ``node``: the one it keeps, unless the server closed it meanwhile (idle:
-        ``peer_server`` NOTE [ Peer server limits ]), else a new one."""
+        ``_peer.server`` NOTE [ Peer server limits ]), else a new one."""
         conns = self._connections()
         channel = conns.get(node)
         if channel is not None and select.select([channel.sock], [], [], 0)[0]:  # between replies: closed
@@ -813,76 +518,6 @@ class PeerTier:
             self._server = None
 
 
-class _HandOff:
-    """A process's hand-off queue and the daemon thread that drains it into ``send(index, raw, stamp)`` (calling
-    ``idle()`` once the queue has stayed empty for :data:`HANDOFF_IDLE_S`); drained (for at most
-    :data:`HANDOFF_DRAIN_S`) before the process exits, as a torch worker does at its epoch's end, or when
-    closed."""
-
-    def __init__(self, send, idle):
-        self._send, self._idle = send, idle
-        self._queue, self._bytes, self._busy, self._stopped = collections.deque(), 0, False, False
-        self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="coordl-hand-off", daemon=True)
-        self._thread.start()
-        self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=0)
-
-    def offer(self, index: int, raw, stamp) -> None:
-        """Queue ``raw`` (read with ``stamp``) unless :data:`HANDOFF_QUEUE_BYTES` are queued already (then it
-        is dropped)."""
-        with self._ready:
-            if self._bytes + len(raw) <= HANDOFF_QUEUE_BYTES:
-                self._queue.append((index, raw, stamp))
-                self._bytes += len(raw)
-                self._ready.notify_all()
-
-    def drain(self) -> None:
-        """Wait until every queued item is handed off, for at most :data:`HANDOFF_DRAIN_S`."""
-        with self._ready:
-            self._ready.wait_for(lambda: not self._queue and not self._busy, HANDOFF_DRAIN_S)
-
-    def close(self) -> None:
-        """Drain, then stop the thread and wait for it to end: at most :data:`HANDOFF_DRAIN_S` in all plus
-        :data:`HANDOFF_JOIN_S` (within torch's 5 s for an exiting worker; a sender still busy past it
-        touches no torch, NOTE [ Threads at exit ])."""
-        self.drain()
-        self._finalizer.cancel()
-        _stop_thread(self._thread, self._stop, HANDOFF_JOIN_S)
-
-    def _stop(self) -> None:
-        """Tell the thread to stop (whatever is still queued is dropped)."""
-        with self._ready:
-            self._stopped = True
-            self._queue.clear()
-            self._ready.notify_all()
-
-    def _run(self) -> None:
-        connected = False
-        while True:
-            with self._ready:
-                woke = self._ready.wait_for(lambda: bool(self._queue) or self._stopped,
-                                            HANDOFF_IDLE_S if connected else None)
-                if self._stopped:
-                    return
-                if woke:
-                    index, raw, stamp = self._queue.popleft()
-                    self._bytes -= len(raw)
-                    self._busy = True
-            if not woke:  # nothing to hand off for a while: let go of the connections
-                self._idle()
-                connected = False
-                continue
-            try:
-                self._send(index, raw, stamp)
-            except Exception:  # a hand-off is a favour: losing one costs a later storage read, not a sample
-                logger.debug("coordl partitioned caching: handing off item %d failed", index, exc_info=True)
-            finally:
-                connected = True
-                with self._ready:
-                    self._busy = False
-                    self._ready.notify_all()
-
-
 class PendingFetch:
     """Requests sent to peers for some misses of a minibatch: ``asked`` (the ids sent), then ``collect()`` or,
     if the batch fails before, ``abandon()``."""
@@ -893,7 +528,7 @@ class PendingFetch:
         self._started = time.monotonic_ns()
 
     def collect(self) -> dict[int, tuple]:
-        """The items peers delivered, checked (see ``_peer_wire``), as (bytes, the stamp the peer's copy was
+        """The items peers delivered, checked (see ``_peer.wire``), as (bytes, the stamp the peer's copy was
         stored with, or None where its stamps do not compare with this server's); an id missing here comes
         from storage. A peer's whole reply must arrive within ``COORDL_PEER_TIMEOUT_S`` plus its bytes at
         ``wire.MIN_RATE``; a kept connection found closed before any reply (the server dropped it as idle
@@ -914,7 +549,7 @@ class PendingFetch:
                             if data is not None:
                                 got[index] = data, stamp
                                 received += len(data)
-                                row[node, _ITEMS] += 1
+                                row[node, C_ITEMS] += 1
                 except (OSError, KeyError, wire.PeerProtocolError) as e:
                     closed = isinstance(e, ConnectionError) and not isinstance(e, wire.PeerProtocolError)
                     if retry and closed and not items:
@@ -927,9 +562,9 @@ class PendingFetch:
                             e = again
                     tier._mark_down(node, e)
                 break
-            row[node, _BYTES] += received
-            row[node, _REQUESTS] += 1
-            row[node, _WAIT_NS] += time.monotonic_ns() - self._started
+            row[node, C_BYTES] += received
+            row[node, C_REQUESTS] += 1
+            row[node, C_WAIT_NS] += time.monotonic_ns() - self._started
         return got
 
     def abandon(self) -> None:
@@ -939,60 +574,6 @@ class PendingFetch:
             conn = conns.pop(node, None)
             if conn is not None:
                 conn.close()
-
-
-class _ServerProcess:
-    """This node's peer server (``peer_server.serve``), a child forked as torch forks DataLoader workers."""
-
-    def __init__(self, cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], binding: bytes,
-                 limits: tuple[int, int], host: str, port: int):
-        ctx = multiprocessing.get_context("fork")
-        self.control, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_server.serve,
-                                args=(cache, source, storage, secret, copy, binding, limits, host, port, theirs),
-                                name="coordl-peer-server", daemon=True)
-        self.proc.start()
-        theirs.close()
-        try:
-            kind, value = self.control.recv() if self.control.poll(60) else ("error", "no answer in 60 s")
-        except EOFError:
-            kind, value = "error", f"it exited with status {self.proc.exitcode}"
-        if kind != "port":
-            self.stop()
-            raise RuntimeError(f"coordl partitioned caching: the peer server could not listen on {host}:{port}: "
-                               f"{value} (set {HOST_ENV} / {PORT_ENV} to choose where)")
-        self.address = (host, value)
-
-    def stop(self) -> None:
-        try:
-            self.control.send("stop")
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.control.close()
-
-
-def _start_server(cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], binding: bytes,
-                  limits: tuple[int, int], topology: Topology, ordinal: int) -> _ServerProcess:
-    host = _local_address(topology)
-    port = _whole(os.environ, PORT_ENV, 0, 65535, default=0) if os.environ.get(PORT_ENV) else 0
-    if port and port + ordinal > 65535:
-        raise ValueError(f"{PORT_ENV}={port}: this process's partitioned loader {ordinal + 1} of the dataset would "
-                         f"serve at port {port + ordinal}, past 65535")
-    server = _ServerProcess(cache, source, storage, secret, copy, binding, limits, host, port + ordinal if port else 0)
-    logger.info("coordl partitioned caching: server %d of %d serves its cache at %s:%d", topology.node,
-                topology.nodes, *server.address)
-    return server
-
-
-def _stop_thread(thread: threading.Thread, stop, join_s: float = THREAD_JOIN_S) -> None:
-    """``stop()``, then wait (at most ``join_s``) for ``thread`` to end."""
-    stop()
-    if thread is not threading.current_thread():
-        thread.join(join_s)
 
 
 def _read_address(store, state: PeerState, node: int, deadline: float) -> bool:

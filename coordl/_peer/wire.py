@@ -15,7 +15,7 @@ secret. Both then hold the connection's session key, HMAC-SHA256(secret, "sessio
 without the secret can derive (a relay that passes the handshake through included).
 
 A binding names "this loader of this job over this dataset", the same on every rank and server of the job
-(``partitioned`` NOTE [ Security ]). A side refuses one that is not its own before it answers (the client
+(``_peer.secret`` NOTE [ Security ]). A side refuses one that is not its own before it answers (the client
 sends nothing after a greeting with another binding, the server nothing after such an answer): so a job
 whose servers share a secret with another job's, one of which took over a dead server's address and port,
 never takes a byte from it. Bindings are not secret; the MACs cover them, so a relay cannot change them.
@@ -44,7 +44,7 @@ A request holds at most ``MAX_IDS`` ids; an item is at most ``MAX_ITEM_BYTES``. 
 each reply item names the id it asked for, in order, and its tag, before it uses a byte, and reads the
 reply by a deadline that each item's header moves on by its length at ``MIN_RATE``.
 
-A client may also hand the server an item to keep (see ``partitioned`` NOTE [ Hand-off ]):
+A client may also hand the server an item to keep (see ``_peer.handoff`` NOTE [ Hand-off ]):
   keep     ``!4sI`` (``KEEP`` magic, id) + ``!IQq`` (length, inode and ctime ns of the stamp of the read
            that produced the bytes) + the bytes + tag
   answer   ``!4sIB`` (``KEPT`` magic, id, outcome) + tag: ``STORED``, ``FULL`` (its cache takes no more) or

@@ -50,7 +50,7 @@ sampler, past the ``workers x prefetch_factor`` it draws before the loop has its
 ingestion phase the dataset proxy hands each process's first batch out again (:class:`FirstBatches`:
 nothing fetched or prepared; torch still collates it), and passes after the first draw plain batches, so
 no epoch (nor DALI pipeline) starts again. A worker that a later pass starts loads its first batch
-afresh. The settings the phases use are the coordl loader's, as built (``EpochLedger.built_with``).
+afresh. The settings the phases use are the coordl loader's, as built (kept with its ledger: ``_Observer``).
 
 Each rank of a torchrun job measures at once (so they share storage, cache and cores as in training; each
 rank's S, L, C and P over its own part of a common random subset, its part by its rank on every server)
@@ -76,10 +76,11 @@ import time
 
 import torch
 
+from coordl._core import hooks, settings
 from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl._core.sysinfo import cpu_seconds
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
-from coordl._peer.tier import EXCHANGE_ENV
+from coordl._peer.topology import EXCHANGE_ENV
 from coordl.analyzer.phase_env import CLAIMED, ITERS_ENV, PHASE_ENV, PHASES, RESULT_ENV, WARMUP_ENV  # noqa: F401
 
 PREP_MIN_BATCHES = 4
@@ -105,7 +106,7 @@ _own_pass = []  # set while coordl.DataLoader's own iterator starts a pass (obse
 @dataclasses.dataclass(frozen=True)
 class BuiltWith:
     """The settings a coordl loader was built with, which a phase measures a torch DataLoader that a framework
-    built from its parts with (``EpochLedger.built_with``)."""
+    built from its parts with (kept with the loader's ledger, ``EpochLedger.observed["built_with"]``)."""
 
     batch_size: int | None
     backend: str
@@ -124,7 +125,7 @@ class BuiltWith:
 
 def least_s(seconds: float) -> float:
     """``seconds``, one of the least measuring times or rests here, scaled by ``COORDL_ANALYZE_TIME_SCALE``."""
-    given = os.environ.get(ANALYZE_TIME_SCALE_ENV, "1")
+    given = settings.get(ANALYZE_TIME_SCALE_ENV, "1")
     try:
         scale = float(given)
     except ValueError:
@@ -137,26 +138,26 @@ def least_s(seconds: float) -> float:
 
 def current() -> str | None:
     """This process's phase, or None outside ``coordl analyze``."""
-    phase = os.environ.get(PHASE_ENV)
+    phase = settings.get(PHASE_ENV)
     if phase is not None and phase not in PHASES:
         raise ValueError(f"{PHASE_ENV} should be one of {PHASES}, but got {phase!r}")
     return phase
 
 
 def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return int(settings.get("WORLD_SIZE", "1"))
 
 
 def _local_world() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", _world()))
+    return int(settings.get("LOCAL_WORLD_SIZE", str(_world())))
 
 
 def result_path() -> str:
     """Where this process writes its phase's result: ``COORDL_ANALYZE_RESULT``, with ``.rank<RANK>`` for a
     rank of a torchrun job, ``.rank<slot>`` for a member of an hp_group."""
     if _member:
-        return os.environ[RESULT_ENV] + f".rank{_member[0][0]}"
-    return os.environ[RESULT_ENV] + (f".rank{os.environ['RANK']}" if _world() > 1 else "")
+        return settings.get(RESULT_ENV) + f".rank{_member[0][0]}"
+    return settings.get(RESULT_ENV) + (f".rank{settings.get('RANK')}" if _world() > 1 else "")
 
 
 def _sharers() -> int:
@@ -172,7 +173,7 @@ def _part() -> tuple[int, int]:
     every server, or its slot among the hp_group's members."""
     if _member:
         return _member[0]
-    return int(os.environ.get("RANK", 0)), _world()
+    return int(settings.get("RANK", "0")), _world()
 
 
 def _finish(result: dict) -> None:
@@ -211,9 +212,28 @@ def observe_pass(sampler, start):
     if window.phase == "ingestion":
         if window.taken:  # a later pass: no epoch, no feed, nothing loads
             return _Drawn(window, sampler.plain_batches())
-        if sampler.epochs.dataset.replay is None:  # set before torch starts (or forks) its workers
-            sampler.epochs.dataset.replay = FirstBatches()
+        if sampler.epochs.dataset.batch_hook is None:  # set before torch starts (or forks) its workers
+            sampler.epochs.dataset.batch_hook = FirstBatches()
     return _Drawn(window, start())
+
+
+class _Observer:
+    """The phases as the data path's observer (``coordl._core.hooks``): outside a phase run, every event is
+    the plain call."""
+
+    def loader_built(self, loader) -> None:
+        loader.epoch_ledger.observed["built_with"] = BuiltWith.of(loader)
+
+    def epoch(self, loader, start):
+        return start() if current() is None else observe(loader, start)
+
+    def epoch_pass(self, sampler, start):
+        return start() if current() is None else observe_pass(sampler, start)
+
+
+OBSERVER = _Observer()
+"""What ``COORDL_OBSERVER`` names in a phase run (``runner``); registered also as this module is imported."""
+hooks.register(OBSERVER)
 
 
 def _own(start):
@@ -249,7 +269,7 @@ class _Parts:
 
     def __init__(self, sampler):
         ledger = sampler.epochs
-        self.__dict__.update(vars(ledger.built_with))
+        self.__dict__.update(vars(ledger.observed["built_with"]))
         self.dataset, self.epoch_ledger, self.batch_sampler = ledger.dataset, ledger, sampler
 
     def stats(self):
@@ -279,7 +299,7 @@ class _Window:
         if not self.batch_size:
             raise RuntimeError("coordl analyze needs the measured loader's batch size (batch_size=, or a batch "
                                "sampler with a batch_size attribute)")
-        self.warmup, self.iters = int(os.environ.get(WARMUP_ENV, 10)), int(os.environ.get(ITERS_ENV, 100))
+        self.warmup, self.iters = int(settings.get(WARMUP_ENV, "10")), int(settings.get(ITERS_ENV, "100"))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
         self.cpu_started, self.rates, self.prepared = None, None, None  # the rates phase's, and Q's batches
         self.extended = False  # Q's window has been lengthened (:meth:`_lengthen`) and is written at exit
@@ -620,7 +640,7 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         cached = [i for i in subset if cache.view(i) is not None]
     if cached:  # the hit path, timed over the items the cache took, a batch at a time as the loader fetches them
         batches = [cached[k:k + batch_size] for k in range(0, len(cached), batch_size)]
-        rate = _hit_rate(lambda batch: dataset._cached_many(batch, row, views=dali is not None), batches, cores)
+        rate = _hit_rate(lambda batch: dataset.cached_many(batch, row, views=dali is not None), batches, cores)
         result["C"], result["C_from"] = rate * len(cached) / len(batches), "cache"
     else:  # no cache, or it took nothing: a copy of the bytes in memory stands for a hit (CoorDL §5.1 (iv))
         result["C"], result["C_from"] = _hit_rate(bytes, datas, cores), "memory copy"

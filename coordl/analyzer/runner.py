@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from coordl._core import settings
 from coordl._core.shm import SHM_DIR_ENV, shm_dir
 from coordl.analyzer import phase_env
 from coordl.analyzer.model import Pipeline
@@ -27,6 +28,8 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
                          "batches",
                 "run": "the script as configured"}
 STOP_GRACE_S = 5.0
+OBSERVER = "coordl.analyzer.phases:OBSERVER"
+"""The data path's observer in a phase run of the script (``COORDL_OBSERVER``)."""
 RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R")
 """The rates (samples/s) a phase's result may hold."""
 
@@ -53,8 +56,9 @@ def run_phase(command: list[str], phase: str, out_dir: str, *, iters: int, warmu
         if os.path.exists(path):
             os.remove(path)
     shm = tempfile.mkdtemp(prefix="coordl-analyze-", dir=shm_dir())  # removed with all it holds when the phase ends
-    env = dict(os.environ, **{phase_env.PHASE_ENV: phase, phase_env.RESULT_ENV: result_path,
-                              phase_env.ITERS_ENV: str(iters), phase_env.WARMUP_ENV: str(warmup), SHM_DIR_ENV: shm})
+    env = dict(settings.environ(), **{phase_env.PHASE_ENV: phase, phase_env.RESULT_ENV: result_path,
+                                      phase_env.ITERS_ENV: str(iters), phase_env.WARMUP_ENV: str(warmup),
+                                      SHM_DIR_ENV: shm, settings.OBSERVER_ENV: OBSERVER})
     started = time.monotonic()
     try:
         with open(log_path, "wb") as log:

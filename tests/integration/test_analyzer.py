@@ -14,7 +14,7 @@ from torchvision import transforms
 
 import coordl
 from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
-from coordl._peer.tier import TIMEOUT_ENV
+from coordl._peer.topology import TIMEOUT_ENV
 from coordl.analyzer import phases, runner
 from harness.cluster import make_cluster  # noqa: F401  (a fixture)
 

@@ -14,7 +14,7 @@ import pytest
 from torch.utils.data.distributed import DistributedSampler
 
 from coordl._demo.synthetic import make_image_folder
-from coordl._peer.tier import TIMEOUT_ENV
+from coordl._peer.topology import TIMEOUT_ENV
 from harness.cluster import make_cluster  # noqa: F401  (a fixture)
 from harness.storage_env import Cleanup, copy_to_loop_disk, evict_files
 

@@ -20,10 +20,11 @@ import pytest
 from coordl._cache.minio import MinIOCache, cache_segment_name
 from coordl._fetch.storage import FileStorage
 from coordl._peer import server as peer_server
-from coordl._peer import tier as partitioned
+from coordl import partitioned
+from coordl._peer import handoff, launch, topology
 from coordl._peer import wire
 from coordl._peer.server import CacheKeeper, PeerServer, cache_lookup, storage_id
-from coordl._peer.tier import Topology, decode_map, encode_map, owners_of, resolve
+from coordl.partitioned import Topology, decode_map, encode_map, owners_of, resolve
 from tests import _procs
 from tests._peers import Relay, edit, flip
 
@@ -151,7 +152,7 @@ def test_a_rank_past_the_servers_without_group_rank_is_named():
 def test_a_peer_time_that_is_not_a_positive_finite_number_is_named(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"{name} should be a .*number of seconds, but got {value!r}"):
-        partitioned._seconds(name, 1.0)
+        topology.seconds_setting(name, 1.0)
 
 
 @pytest.mark.parametrize("value, why", [("abc", "COORDL_PEER_PORT should be a whole number from 0 to 65535, but "
@@ -162,7 +163,7 @@ def test_a_peer_port_that_cannot_be_served_at_is_named(monkeypatch, value, why):
     monkeypatch.setenv(partitioned.PORT_ENV, value)
     topology = Topology.from_env(TORCHRUN)
     with pytest.raises(ValueError, match=why):
-        partitioned._start_server(None, None, None, b"", (wire.NO_STORAGE, wire.NO_SAMPLE), wire.NO_BINDING, (1, 1),
+        launch.start_server(None, None, None, b"", (wire.NO_STORAGE, wire.NO_SAMPLE), wire.NO_BINDING, (1, 1),
                                   topology, ordinal=1)
 
 
@@ -170,9 +171,9 @@ def test_a_peer_port_that_cannot_be_served_at_is_named(monkeypatch, value, why):
 def test_a_peer_host_that_names_no_address_is_refused(monkeypatch, host):
     monkeypatch.setenv(partitioned.HOST_ENV, host)
     with pytest.raises(ValueError, match=f"COORDL_PEER_HOST should be an address the other servers can reach .*{host!r}"):
-        partitioned._local_address(Topology.from_env(TORCHRUN))
+        launch.local_address(Topology.from_env(TORCHRUN))
     monkeypatch.setenv(partitioned.HOST_ENV, "node7.cluster")
-    assert partitioned._local_address(Topology.from_env(TORCHRUN)) == "node7.cluster"
+    assert launch.local_address(Topology.from_env(TORCHRUN)) == "node7.cluster"
 
 
 @pytest.mark.parametrize("group_up", [False, True])
@@ -238,14 +239,14 @@ def test_a_hand_off_queue_sends_in_order_drains_lets_go_when_idle_and_stops(monk
     """The sender thread: every queued item is sent, in order; ``drain`` returns once they are; after
     ``HANDOFF_IDLE_S`` with nothing to send it lets go of its connections (``idle``); past the queue's
     byte limit an offer is dropped; ``close`` drains and stops the thread."""
-    monkeypatch.setattr(partitioned, "HANDOFF_IDLE_S", 0.2)
-    monkeypatch.setattr(partitioned, "HANDOFF_QUEUE_BYTES", 100)
+    monkeypatch.setattr(handoff, "HANDOFF_IDLE_S", 0.2)
+    monkeypatch.setattr(handoff, "HANDOFF_QUEUE_BYTES", 100)
     sent, idle, gate = [], threading.Event(), threading.Event()
 
     def send(index, raw, stamp):
         gate.wait(5)
         sent.append((index, raw))
-    queue = partitioned._HandOff(send, idle.set)
+    queue = handoff.HandOffQueue(send, idle.set)
     thread = queue._thread
     queue.offer(1, b"a" * 60, None)
     deadline = time.monotonic() + 5
@@ -298,7 +299,8 @@ _EXITING_RANK = textwrap.dedent("""
 
     import time
     import torch.distributed as dist
-    from coordl._peer import tier as partitioned
+    from coordl import partitioned
+    from coordl._peer import handoff
 
     torch_calls = set()  # (thread, callee) for every call from a coordl thread into torch's native code
     def watch(frame, event, arg):
@@ -316,7 +318,7 @@ _EXITING_RANK = textwrap.dedent("""
         def raw_key(self, i):
             return f"class/{i}.jpg"
 
-    partitioned.HANDOFF_DRAIN_S = 1.0
+    handoff.HANDOFF_DRAIN_S = 1.0
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     topology = partitioned.Topology(rank=1, world=4, local_rank=1, local_world=2, node=0, nodes=2,
                                     master_addr="127.0.0.1", master_port=store.port, run="exit")
@@ -623,7 +625,7 @@ def test_a_peer_found_down_is_tried_again_at_the_next_epoch_start(tmp_path, monk
 
 
 def test_a_connection_the_peer_dropped_as_idle_is_reopened_and_costs_no_peer_hit(tmp_path, monkeypatch):
-    """``peer_server`` NOTE [ Peer server limits ]: server 1 drops this process's kept connection once idle; the
+    """``_peer.server`` NOTE [ Peer server limits ]: server 1 drops this process's kept connection once idle; the
     next batch reopens it. Then server 1 drops it just as a request arrives (the server reads it and closes,
     as an idle deadline passing then would): the request goes again on a new connection. Every item comes
     from the peer, which is never marked down."""
