@@ -97,7 +97,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             Defaults to ``"torch"``.
         dali_pipeline: ``"image_classification"``, ``"object_detection"``, ``"audio_classification"``
             or a function ``(encoded, target, *, device, train) -> outputs`` building a DALI graph
-            (see :mod:`coordl._dali.presets`). Defaults to ``"image_classification"``.
+            (see :mod:`coordl.dali_presets`). Defaults to ``"image_classification"``.
         dali_device: ``"cpu"`` or ``"gpu"`` (GPU decoding; outputs on the GPU). Defaults to ``"cpu"``.
         dali_train: use the preset's training augmentation rather than its eval transform.
             Defaults to None: training when the loader shuffles.
