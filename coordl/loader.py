@@ -233,7 +233,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 raise
         feed = self._feed(dali, staging_bytes, prep_options) if fed else None
         group = hp_group if getattr(feed, "group", None) is not None else None
-        self._cache_stats = _cache_fill(wrapped)  # not a bound method: the ledger must not keep this loader alive
+        self._cache_stats = _CacheFill(wrapped)  # not a bound method: the ledger must not keep this loader alive
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats), plan)
         hooks.loader_built(self)
 
@@ -282,6 +282,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __iter__(self):
         return hooks.epoch(self, self._epoch_iterator)
+
+    def __getstate__(self) -> dict:
+        """Pickled as torch's DataLoader is (Lightning's ``ddp_spawn``, ``mp.spawn``, ``torch.save``), without
+        the pass of this process's iterator (a weak reference)."""
+        state = self.__dict__.copy()
+        state["_last_pass"] = None
+        return state
 
     def _epoch_iterator(self) -> "_EpochIterator":
         self._fresh_counters()
@@ -385,17 +392,19 @@ def _release(dataset) -> None:
         dataset.cache.close()
 
 
-def _cache_fill(dataset):
-    """A function returning the fill of ``dataset``'s cache now, or as it was when last read attached (at
-    close(): reading it must not re-attach), or None without a cache."""
-    last = []
+class _CacheFill:
+    """Called, the fill of ``dataset``'s cache now, or as it was when last read attached (at close(): reading
+    it must not re-attach), or None without a cache. A class, not a closure, so that the loader pickles
+    (Lightning's ``ddp_spawn``, ``mp.spawn``)."""
 
-    def read():
-        cache = getattr(dataset, "cache", None)
+    def __init__(self, dataset):
+        self.dataset, self.last = dataset, None
+
+    def __call__(self):
+        cache = getattr(self.dataset, "cache", None)
         if cache is not None and cache.attached:
-            last[:] = [cache.stats()]
-        return last[0] if last else None
-    return read
+            self.last = cache.stats()
+        return self.last
 
 
 def _tensor_bytes(batch) -> int:

@@ -1,6 +1,7 @@
-"""Standard ImageNet training (after pytorch/examples' imagenet/main.py), loading with coordl.
+"""ImageNet training written after pytorch/examples' imagenet/main.py (its training loop in 109 lines, not the
+whole script), loading with coordl.
 
-The only change from a torch script is the train loader line: ``coordl.DataLoader`` instead of
+The line that makes it coordl's is the train loader's: ``coordl.DataLoader`` instead of
 ``torch.utils.data.DataLoader``. Run:
 
     python examples/train_imagenet.py /path/to/imagenet --arch resnet18 --epochs 90 --workers 8

@@ -114,6 +114,18 @@ def run_loader_epochs(root: str, cache_bytes: int, epochs: int, num_workers: int
     loader.close()
 
 
+def iterate_pickled_loader(blob: bytes, results) -> None:
+    """A job: unpickle a coordl loader, run one epoch, report each epoch its stats hold as [samples, hits,
+    misses]."""
+    _debuggable()
+    import pickle
+    loader = pickle.loads(blob)
+    for _ in loader:
+        pass
+    results.put([[e.samples, e.hits, e.misses] for e in loader.stats().epochs])
+    loader.close()
+
+
 def iterate_slowly_forever(root: str, cache_bytes: int, num_workers: int, progress_file: str):
     """A job that fills the cache slowly and reports batches done, until it is killed."""
     _debuggable()

@@ -52,6 +52,13 @@ class _PassCheckpoints:
     pass (see NOTE [ Resuming a pass ] in ``resume_state``), and the epochs its passes drew at. Needs
     ``rng_sources()``, ``latest``, ``_resume``, ``_drawn_epochs``."""
 
+    def __getstate__(self) -> dict:
+        """Pickled (a loader sent to ``ddp_spawn``'s or ``mp.spawn``'s processes), without its latest pass: the
+        copy's next ``iter()`` starts the next epoch afresh (a pass refers to its sampler weakly)."""
+        state = self.__dict__.copy()
+        state["latest"] = None
+        return state
+
     def drew(self, rng: dict) -> None:
         """A pass drew its plan from ``rng``: keep the epoch-seeded samplers' epochs of the last two draws."""
         self._drawn_epochs = (self._drawn_epochs + [rng["epochs"]])[-2:]

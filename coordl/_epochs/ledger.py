@@ -73,6 +73,12 @@ class EpochLedger:
     with the ledger to other processes.
     """
 
+    def __getstate__(self) -> dict:
+        """Pickled with the epochs it recorded, without the one in progress (its pass stays in this process)."""
+        state = self.__dict__.copy()
+        state["current"] = None
+        return state
+
     def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None):
         self.dataset, self.feed, self.group, self._cache_stats = dataset, feed, group, cache_stats
         self.observed: dict = {}

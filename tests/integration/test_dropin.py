@@ -24,6 +24,7 @@ from tests import _procs
 from tests._signals import FileEvent, FileQueue
 from tests.conftest import dataset_bytes
 
+TINY = torchvision.transforms.Compose([torchvision.transforms.Resize((8, 8)), torchvision.transforms.ToTensor()])
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -230,28 +231,46 @@ def test_an_hp_group_member_iterated_by_a_framework_still_shares(tmp_path, via):
 _LIGHTNING_DDP_SPAWN = textwrap.dedent("""
     import json, os, sys
     import pytorch_lightning as pl
+    import torch
     from tests.integration.test_frameworks import _TinyModule
 
-    class Tiny(_TinyModule):
-        def on_train_end(self):
-            loader = self.trainer.train_dataloader
-            with open(os.path.join(sys.argv[2], f"rank{self.global_rank}.json"), "w") as f:
-                json.dump({"type": type(loader).__name__, "sampler": type(loader.sampler).__name__,
-                           "epochs": [[e.samples, e.hits, e.misses] for e in loader.stats().epochs]}, f)
+    def report(self):
+        loader = self.trainer.train_dataloader
+        with open(os.path.join(sys.argv[2], f"rank{self.global_rank}.json"), "w") as f:
+            json.dump({"type": type(loader).__name__, "sampler": type(loader.sampler).__name__,
+                       "epochs": [[e.samples, e.hits, e.misses] for e in loader.stats().epochs]}, f)
+
+    class Tiny(_TinyModule):  # builds its loader in each spawned process (the train_dataloader hook)
+        on_train_end = report
+
+    class Given(pl.LightningModule):  # no hook: the loader passed to fit, pickled into each spawned process
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3 * 8 * 8, 4)
+        training_step, configure_optimizers = _TinyModule.training_step, _TinyModule.configure_optimizers
+        on_train_end = report
 
     if __name__ == "__main__":
-        pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, enable_progress_bar=False,
-                   logger=False, enable_checkpointing=False, enable_model_summary=False,
-                   default_root_dir=sys.argv[2]).fit(Tiny(sys.argv[1], cache_bytes=10**9, num_workers=1))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2,
+                             enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                             enable_model_summary=False, default_root_dir=sys.argv[2])
+        tiny = Tiny(sys.argv[1], cache_bytes=10**9, num_workers=1)
+        if sys.argv[3] == "module":
+            trainer.fit(tiny)
+        else:
+            trainer.fit(Given(), train_dataloaders=tiny.train_dataloader())
 """)
 
 
 @pytest.mark.slow
-def test_lightning_ddp_spawn_with_two_processes_shares_one_cache(tmp_path, image_root):
+@pytest.mark.parametrize("built", ["module", "main"])
+def test_lightning_ddp_spawn_with_two_processes_shares_one_cache(tmp_path, image_root, built):
+    """Two spawned processes; the loader built by the module's hook in each, or built in the main process and
+    passed to ``fit``, which pickles it into each (a loader that did not pickle failed there at once)."""
     script = tmp_path / "fit.py"
     script.write_text(_LIGHTNING_DDP_SPAWN)
-    done = subprocess.run([sys.executable, str(script), image_root, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    done = subprocess.run([sys.executable, str(script), image_root, str(tmp_path), built], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     n = len(_files(image_root))
@@ -262,3 +281,26 @@ def test_lightning_ddp_spawn_with_two_processes_shares_one_cache(tmp_path, image
     for r in ranks:  # epoch 2: the node-wide cache both ranks filled serves each rank's new shard
         samples, hits, misses = r["epochs"][1]
         assert samples == n // 2 and hits == samples and misses == 0
+
+
+def test_a_loader_pickles_before_and_after_an_epoch_and_its_copy_in_a_new_process_uses_the_nodes_cache(
+        tmp_path, image_root):
+    """As torch's DataLoader pickles (``mp.spawn``, ``ddp_spawn``, ``torch.save``), so does coordl's, and each of
+    its parts: a copy made after an epoch, unpickled in a spawned process, reads every sample from the cache
+    that epoch filled."""
+    import pickle
+    loader = coordl.DataLoader(torchvision.datasets.ImageFolder(image_root, transform=TINY),
+                               batch_size=16, shuffle=True, num_workers=1, cache_bytes=dataset_bytes(image_root))
+    try:
+        for part in (loader.dataset, loader.batch_sampler, loader.collate_fn, loader.sampler):
+            pickle.loads(pickle.dumps(part))
+        pickle.loads(pickle.dumps(loader)).close()
+        assert sum(len(targets) for _, targets in loader) == len(_files(image_root))
+        results = FileQueue(tmp_path)
+        child = _procs.spawn(_procs.iterate_pickled_loader, pickle.dumps(loader), results)
+        epochs = results.get(timeout=_procs.JOIN_TIMEOUT)
+        _procs.join_ok(child)
+        n = len(_files(image_root))
+        assert epochs[-1] == [n, n, 0]  # samples, hits, misses: all from the cache the parent filled
+    finally:
+        loader.close()
