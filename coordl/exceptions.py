@@ -14,7 +14,31 @@ class CacheMismatchError(CoordlError, RuntimeError):
 
 
 class SampleError(CoordlError, OSError):
-    """A sample's file is missing, unreadable or cannot be decoded; the message names it."""
+    """A sample's file is missing, unreadable or cannot be decoded; the message names it. A file that cannot
+    be read raises the subclass that is also the builtin error torch would raise (:func:`reading_failed`)."""
+
+
+class SampleNotFoundError(SampleError, FileNotFoundError):
+    """A sample's file is missing."""
+
+
+class SamplePermissionError(SampleError, PermissionError):
+    """A sample's file cannot be read by this process."""
+
+
+class SampleIsADirectoryError(SampleError, IsADirectoryError):
+    """A sample's key names a directory."""
+
+
+_AS_READ = ((FileNotFoundError, SampleNotFoundError), (PermissionError, SamplePermissionError),
+            (IsADirectoryError, SampleIsADirectoryError))
+
+
+def reading_failed(error: OSError, message: str) -> SampleError:
+    """The :class:`SampleError` saying ``message`` for a read that raised ``error``: one that is also
+    ``error``'s builtin class where that is one of those above (so ``except FileNotFoundError`` still
+    catches a missing file, as with torch's DataLoader); ``error`` itself is its cause."""
+    return next((ours for builtin, ours in _AS_READ if isinstance(error, builtin)), SampleError)(message)
 
 
 class GroupMismatchError(CoordlError, ValueError):

@@ -11,7 +11,6 @@ adds what only it can see: how long the training loop waits for each batch, and 
 
 import logging
 import time
-import warnings
 import weakref
 from typing import TypeVar
 
@@ -22,6 +21,7 @@ from tqdm.auto import tqdm
 from coordl._cache.setup import CACHE_VERIFY, wrap_dataset
 from coordl._core import hooks
 from coordl._core.log import configure_from_env
+from coordl._core.log import warn_caller
 from coordl._core.settings import DEFAULT_GROUP_TIMEOUT_S
 from coordl._core.shm import shm_dir
 from coordl._core.sizes import format_bytes, parse_size_option
@@ -380,8 +380,7 @@ def _warn_unused_dali_options(pipeline, device, train) -> None:
                                                               ("dali_device", device, "cpu"),
                                                               ("dali_train", train, None)) if value != default]
     if given:
-        warnings.warn(f"{', '.join(given)} only apply with backend='dali' (or 'auto'); backend='torch' ignores them.",
-                      stacklevel=4)
+        warn_caller(f"{', '.join(given)} only apply with backend='dali' (or 'auto'); backend='torch' ignores them.")
 
 
 def _release(dataset) -> None:

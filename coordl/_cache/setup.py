@@ -9,11 +9,11 @@ caches grow.
 
 import logging
 import os
-import warnings
 
 import torch.utils.data
 
 from coordl._cache.minio import MinIOCache, cache_segment_name, index_bytes
+from coordl._core.log import warn_caller
 from coordl._core.settings import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FRACTION
 from coordl._core.shm import free_shm_bytes, shm_dir, total_shm_bytes
 from coordl._core.sizes import format_bytes
@@ -54,7 +54,7 @@ def _warn_once(key, message: str) -> None:
     """A configuration warning, once per process for each ``key`` (e.g. a dataset type)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=5)
+        warn_caller(message)
 
 
 def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache_verify: str,
@@ -74,8 +74,12 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     source, why = raw_source(dataset, decode=decode)
     if source is None:
         iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-        _warn_once(type(dataset), f"coordl cannot cache {type(dataset).__name__}: {why}. It is loaded uncached, as "
-                   f"torch would" + ("." if iterable else "; implement coordl.RawBytesDataset to cache it."))
+        kind = type(dataset)
+        named = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") or kind.__module__.startswith(
+            "torch.") else f"{kind.__qualname__} (from {kind.__module__})"
+        _warn_once(kind, f"coordl cannot cache {named}: {why}. It is loaded uncached, as torch would" + (
+            "." if iterable else "; to cache it, give it raw_key(i) (the file of item i) and decode_raw(i, raw) "
+            "(the item from those bytes), or wrap its files in coordl.FileDataset."))
         return dataset
     cache = None
     if capacity != 0:

@@ -19,7 +19,6 @@ import io
 import logging
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordl._core.log import warn_caller
 from coordl._fetch.cached_dataset import COUNTER_FIELDS, CachedDataset
 from coordl.exceptions import SampleError
 
@@ -401,8 +401,8 @@ class DaliBackend:
     def _warn_replaced_transforms(dataset) -> None:
         names = [n for n in ("transform", "target_transform", "transforms") if getattr(dataset, n, None) is not None]
         if names:
-            warnings.warn(f"backend='dali': the DALI pipeline replaces the dataset's own {' and '.join(names)}; "
-                          f"they are not applied.", stacklevel=4)
+            warn_caller(f"backend='dali': the DALI pipeline replaces the dataset's own {' and '.join(names)}; "
+                        f"they are not applied.")
 
     def _build(self, seed: int):
         from nvidia.dali import Pipeline, fn, types
@@ -567,9 +567,9 @@ class DaliFeed:
                                f"(num_workers=0 in a DataLoader built from this loader's parts)")
         if k > self._next and not self._skipped:
             self._skipped = True
-            warnings.warn("backend='dali': a wrapper of the batch sampler skips batches (e.g. Accelerate with several "
-                          "processes), which DALI decodes and drops; pass a DistributedSampler to the coordl "
-                          "DataLoader instead to prepare only this process's batches.", stacklevel=2)
+            warn_caller("backend='dali': a wrapper of the batch sampler skips batches (e.g. Accelerate with several "
+                        "processes), which DALI decodes and drops; pass a DistributedSampler to the coordl "
+                        "DataLoader instead to prepare only this process's batches.")
         for _ in range(k - self._next):
             next(self._epoch)
         self._next = k + 1

@@ -30,7 +30,6 @@ see NOTE [ Resuming a pass ] in ``resume_state``), so torchdata's ``StatefulData
 
 import contextlib
 import itertools
-import warnings
 import weakref
 
 import torch.utils.data
@@ -38,6 +37,7 @@ import torch.utils.data.distributed
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from coordl._core import hooks
+from coordl._core.log import warn_caller
 from coordl._epochs import resume_state
 
 _DRAWN_AHEAD = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
@@ -122,12 +122,11 @@ class _PassCheckpoints:
         when the state was taken mid-epoch or the group runs already."""
         epoch = group["next_epoch"]
         if mid_epoch:
-            warnings.warn(f"{what}.load_state_dict: a loader in an hp_group resumes at epoch boundaries; this state "
-                          f"was saved during group epoch {epoch - 1}, so it goes on with group epoch {epoch}.",
-                          stacklevel=3)
+            warn_caller(f"{what}.load_state_dict: a loader in an hp_group resumes at epoch boundaries; this state "
+                        f"was saved during group epoch {epoch - 1}, so it goes on with group epoch {epoch}.")
         if not self.epochs.feed.resume(group):
-            warnings.warn(f"{what}.load_state_dict: the hp_group has already started epochs without this state; "
-                          f"this job joins the group's next epoch instead of group epoch {epoch}.", stacklevel=3)
+            warn_caller(f"{what}.load_state_dict: the hp_group has already started epochs without this state; "
+                        f"this job joins the group's next epoch instead of group epoch {epoch}.")
 
     def _infinite(self) -> bool:
         """An iterable dataset's sampler: its position is the dataset iterator's, which coordl does not see."""

@@ -16,7 +16,7 @@ from coordl._cache.minio import MinIOCache
 from coordl._core.worker import exit_when_orphaned, own_row
 from coordl._fetch.raw_datasets import RawBytesDataset
 from coordl._fetch.storage import Storage, stamper
-from coordl.exceptions import SampleError
+from coordl.exceptions import SampleError, reading_failed
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
                   "storage_wait_ns", "peer_wait_ns", "prep_ns")
@@ -241,7 +241,7 @@ class CachedDataset(torch.utils.data.Dataset):
         try:
             raw, stamp = stamped(key) if stamped is not None else (self.storage.read(key), None)
         except OSError as e:
-            raise SampleError(f"cannot read sample {index} ({key}): {e.strerror or e}") from e
+            raise reading_failed(e, f"cannot read sample {index} ({key}): {e.strerror or e}") from e
         row[_STORAGE_NS] += time.perf_counter_ns() - started
         row[_MISSES] += 1
         row[_STORAGE_BYTES] += len(raw)

@@ -8,10 +8,10 @@ batch of the group's plan, its own and the others', in order.
 
 import functools
 import math
-import warnings
 
 import torch.utils.data
 
+from coordl._core.log import warn_caller
 from coordl._core.shm import unlink_segments
 from coordl._fetch.cached_dataset import CachedDataset
 from coordl._group.config import auto_staging_bytes, group_settings
@@ -37,7 +37,7 @@ def join_group(name: str, dataset: CachedDataset, *, batch_size: int, drop_last:
     except GroupMismatchError as e:
         if on_mismatch == "raise":
             raise
-        warnings.warn(f"{e} Running uncoordinated, as hp_group_on_mismatch='uncoordinated' asks.", stacklevel=4)
+        warn_caller(f"{e} Running uncoordinated, as hp_group_on_mismatch='uncoordinated' asks.")
         return None
     return group
 

@@ -4,12 +4,12 @@ range)."""
 
 import dataclasses
 import math
-import warnings
 
 import torch
 import torch.distributed
 
 from coordl._core import settings
+from coordl._core.log import warn_caller
 
 PARTITIONED = ("auto", True, False)
 SECRET_ENV = "COORDL_PEER_SECRET"
@@ -112,7 +112,7 @@ def secret_known(partitioned) -> bool:
            f"{SECRET_FILE_ENV}")
     if partitioned is True:
         raise RuntimeError(why)
-    warnings.warn(f"{why}; each server caches on its own", stacklevel=2)
+    warn_caller(f"{why}; each server caches on its own")
     return False
 
 

@@ -19,6 +19,7 @@ import torch.utils.data as tud
 import torchvision
 
 import coordl
+from coordl._cache import setup as cache_setup
 from coordl._fetch.storage import FileStorage
 from tests import _procs
 from tests._signals import FileEvent, FileQueue
@@ -93,7 +94,7 @@ def tag_worker(worker_id: int) -> None:
 
 @pytest.mark.slow
 def test_what_torch_users_read_from_a_loader_is_torchs(monkeypatch):
-    monkeypatch.setattr(coordl._cache.setup, "_warned", set())
+    monkeypatch.setattr(cache_setup, "_warned", set())
     dataset = Handles()
     with pytest.warns(UserWarning, match="coordl cannot cache Handles"):
         loader = coordl.DataLoader(dataset, batch_size=2, num_workers=2, worker_init_fn=tag_worker,

@@ -1,11 +1,15 @@
 """Bad files and bad settings give errors that name the file, index or setting at fault."""
 
+import inspect
 import os
+import warnings
 
 import pytest
+import torch
 import torchvision
 
 import coordl
+from coordl._cache import setup as cache_setup
 
 
 def _loader(root, num_workers):
@@ -34,10 +38,35 @@ def test_missing_file_names_the_file_and_index(fresh_image_root, num_workers):
     path = dataset.samples[7][0]
     with _loader(fresh_image_root, num_workers) as loader:
         os.remove(path)
-        with pytest.raises(coordl.SampleError, match=rf"cannot read sample 7 \({path}\): No such file"):
+        with pytest.raises(coordl.SampleError, match=rf"cannot read sample 7 \({path}\): No such file") as raised:
             list(loader)
+        assert isinstance(raised.value, FileNotFoundError)  # what torch's DataLoader raises, through its workers too
     with coordl.DataLoader(dataset, cache_bytes=0) as uncached, pytest.raises(OSError):  # the builtin, too
         uncached.dataset[7]
+
+
+class Rows(torch.utils.data.Dataset):
+    """A map-style dataset of no files (as a Hugging Face ``Dataset`` is, to coordl)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return index
+
+
+def test_a_dataset_coordl_cannot_cache_is_named_at_the_line_that_built_the_loader(monkeypatch):
+    """The warning names the dataset's class with its module and what would make it cacheable, and points at
+    the user's line, not at coordl's (nor ``sys:1``)."""
+    monkeypatch.setattr(cache_setup, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built_at = inspect.currentframe().f_lineno + 1
+        coordl.DataLoader(Rows(), batch_size=2).close()
+    [warning] = [w for w in caught if "cannot cache" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, built_at)
+    assert f"coordl cannot cache Rows (from {__name__})" in str(warning.message)
+    assert "give it raw_key(i) (the file of item i) and decode_raw(i, raw)" in str(warning.message)
 
 
 def test_worker_death_is_reported_as_torch_reports_it(image_root):

@@ -14,6 +14,7 @@ import torchvision
 from torchvision import transforms as T
 
 import coordl
+from coordl._cache import setup as cache_setup
 from tests.conftest import dataset_bytes
 
 AUGMENT = T.Compose([T.RandomResizedCrop(12), T.RandomHorizontalFlip(), T.PILToTensor()])
@@ -102,7 +103,7 @@ def test_same_batches_as_torch_with_a_cached_image_folder(image_root, case, num_
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_same_batches_as_torch_for_a_dataset_coordl_cannot_cache(num_workers, monkeypatch):
-    monkeypatch.setattr(coordl._cache.setup, "_warned", set())  # it warns once per process and dataset type
+    monkeypatch.setattr(cache_setup, "_warned", set())  # it warns once per process and dataset type
     dataset = tud.TensorDataset(torch.arange(50), torch.randn(50, 3))
 
     def kwargs():

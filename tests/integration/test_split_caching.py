@@ -9,6 +9,7 @@ import torchvision
 from torchvision import transforms as T
 
 import coordl
+from coordl._cache import setup as cache_setup
 from coordl._fetch.raw_datasets import raw_source
 from tests.conftest import dataset_bytes
 
@@ -121,13 +122,14 @@ REFUSED = {
                               r"coordl cannot cache Subset: its dataset \(_OwnGetitemFolder\) cannot be cached: "
                               r"_OwnGetitemFolder overrides __getitem__"),
     "own_getitem_subset": (lambda root: _OwnGetitemSubset(_folder(root), [0, 1]),
-                           r"coordl cannot cache _OwnGetitemSubset: _OwnGetitemSubset overrides __getitem__"),
+                           r"coordl cannot cache _OwnGetitemSubset \(from tests\.integration\.test_split_caching\): "
+                           r"_OwnGetitemSubset overrides __getitem__"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_a_split_of_what_coordl_cannot_cache_warns_naming_the_part(image_root, case, monkeypatch):
-    monkeypatch.setattr(coordl._cache.setup, "_warned", set())  # it warns once per process and dataset type
+    monkeypatch.setattr(cache_setup, "_warned", set())  # it warns once per process and dataset type
     make, message = REFUSED[case]
     dataset = make(image_root)
     with pytest.warns(UserWarning, match=message), coordl.DataLoader(dataset, batch_size=2) as loader:
