@@ -20,8 +20,7 @@ from tqdm.auto import tqdm
 
 from coordl._cache.setup import CACHE_VERIFY, wrap_dataset
 from coordl._core import hooks
-from coordl._core.log import configure_from_env
-from coordl._core.log import warn_caller
+from coordl._core.log import configure_from_env, warn_caller
 from coordl._core.settings import DEFAULT_GROUP_TIMEOUT_S
 from coordl._core.shm import shm_dir
 from coordl._core.sizes import format_bytes, parse_size_option

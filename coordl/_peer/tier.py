@@ -68,9 +68,8 @@ import torch
 import torch.distributed
 
 from coordl._core.worker import own_row, stop_thread
+from coordl._peer import handoff, wire
 from coordl._peer import server as peer_server
-from coordl._peer import wire
-from coordl._peer import handoff
 from coordl._peer.handoff import HandOffQueue
 from coordl._peer.launch import start_server
 from coordl._peer.maps import decode_map, encode_map, owners_of
