@@ -67,7 +67,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     epoch. Other datasets work as with torch, uncached (coordl says so once).
 
     Args:
-        cache_bytes: size of the cache. An int (numpy integers too), a string such as ``"8GiB"``,
+        cache_bytes: size of the cache. An int (numpy integers, and floats that are whole numbers, too), a
+            string such as ``"8GiB"``, a share of the memory available now such as ``"50%"``,
             ``"auto"`` or 0 (off); a fraction of a byte (``"0.5"``) is refused, a fraction of a larger
             unit rounded down. Either way the cache is allocated as it fills, never past the dataset.
             ``"auto"`` takes the lesser of 50% of available memory and the free space of /dev/shm

@@ -5,12 +5,15 @@ import numbers
 import re
 from fractions import Fraction
 
+from coordl._core.sysinfo import available_memory_bytes
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
 def parse_bytes(text: str) -> int:
@@ -40,8 +43,9 @@ def parse_size_option(name: str, value, *, allow_zero: bool) -> int | None:
 
     Args:
         name: the keyword, for errors.
-        value: an integer (numpy integers too), a size string such as ``"8GiB"`` (see :func:`parse_bytes`)
-            or ``"auto"``.
+        value: an integer (numpy integers too, and floats that are whole numbers: ``1.5e9``), a size string
+            such as ``"8GiB"`` (see :func:`parse_bytes`), a share of the memory available now such as
+            ``"50%"``, or ``"auto"``.
         allow_zero: whether 0 is a valid size (it turns a cache off).
 
     Raises:
@@ -49,19 +53,34 @@ def parse_size_option(name: str, value, *, allow_zero: bool) -> int | None:
         ValueError: if ``value`` is not a size, negative, zero where that is not allowed, or not a whole
             number of bytes; naming ``name``, the value and what is accepted.
     """
-    accepted = (f"{'a non-negative' if allow_zero else 'a positive'} whole number of bytes (an int or a size "
-                f"string such as '8GiB'), or 'auto'")
-    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+    accepted = (f"{'a non-negative' if allow_zero else 'a positive'} whole number of bytes (an int, a size "
+                f"string such as '8GiB', or a share of available memory such as '50%'), or 'auto'")
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise TypeError(f"{name} should be {accepted}, but got {name}={value!r}")
     if isinstance(value, str) and value.strip().lower() == "auto":
         return None
     try:
-        size = parse_bytes(value) if isinstance(value, str) else int(value)
+        if isinstance(value, str):
+            percent = _PERCENT_RE.match(value)
+            size = _share_of_memory(Fraction(percent.group(1))) if percent else parse_bytes(value)
+        elif isinstance(value, numbers.Integral):
+            size = int(value)
+        elif math.isfinite(value) and float(value).is_integer():
+            size = int(value)
+        else:
+            raise ValueError(f"{value!r} is not a whole number of bytes")
     except ValueError as e:
         raise ValueError(f"{name} should be {accepted}, but got {name}={value!r}: {e}") from None
     if size < 0 or (size == 0 and not allow_zero):
         raise ValueError(f"{name} should be {accepted}, but got {name}={value!r}")
     return size
+
+
+def _share_of_memory(percent: Fraction) -> int:
+    """``percent`` (more than 0, at most 100) of the memory available now, in bytes."""
+    if not 0 < percent <= 100:
+        raise ValueError(f"{float(percent):g}% is not a share of memory (more than 0%, at most 100%)")
+    return math.floor(percent / 100 * available_memory_bytes())
 
 
 def format_bytes(n: float) -> str:

@@ -19,17 +19,28 @@ def test_format_bytes():
 
 
 @pytest.mark.parametrize("value,expected", [("auto", None), ("AUTO", None), (0, 0), ("0", 0), (123, 123),
-                                            ("2MiB", 2 * 2**20), (np.int64(2**30), 2**30), (np.uint32(7), 7)])
+                                            ("2MiB", 2 * 2**20), (np.int64(2**30), 2**30), (np.uint32(7), 7),
+                                            (1.5e9, 1_500_000_000), (np.float64(4096.0), 4096)])
 def test_cache_bytes_accepted(value, expected):
     size = parse_size_option("cache_bytes", value, allow_zero=True)
     assert size == expected and type(size) is type(expected)
 
 
 @pytest.mark.parametrize("value,error", [(-1, ValueError), ("lots", ValueError), ("-5GiB", ValueError),
-                                         (True, TypeError), (1.5, TypeError), (None, TypeError)])
+                                         (True, TypeError), (1.5, ValueError), (float("inf"), ValueError),
+                                         (None, TypeError), ("0%", ValueError), ("150%", ValueError)])
 def test_cache_bytes_refused_with_the_value_named(value, error):
     with pytest.raises(error, match=r"cache_bytes should be .*'auto'.* but got cache_bytes="):
         parse_size_option("cache_bytes", value, allow_zero=True)
+
+
+def test_a_share_of_memory_is_that_share_of_the_memory_available_now(monkeypatch):
+    from coordl._core import sizes
+    monkeypatch.setattr(sizes, "available_memory_bytes", lambda: 10 * 2**30)
+    assert parse_size_option("cache_bytes", "50%", allow_zero=True) == 5 * 2**30
+    assert parse_size_option("hp_staging_bytes", " 12.5 % ", allow_zero=False) == 10 * 2**30 // 8
+    with pytest.raises(ValueError, match=r"but got cache_bytes='0%': 0% is not a share of memory"):
+        parse_size_option("cache_bytes", "0%", allow_zero=True)
 
 
 @pytest.mark.parametrize("name", ["cache_bytes", "hp_staging_bytes"])
@@ -47,7 +58,7 @@ def test_hp_staging_bytes_accepted(value, expected):
 
 
 @pytest.mark.parametrize("value,error", [(0, ValueError), ("0", ValueError), ("0.5", ValueError),
-                                         ("1.5 b", ValueError), (2.5, TypeError)])
+                                         ("1.5 b", ValueError), (2.5, ValueError), ("2.5 apples", ValueError)])
 def test_hp_staging_bytes_refused_with_the_value_named(value, error):
     with pytest.raises(error, match=rf"hp_staging_bytes should be a positive .* but got hp_staging_bytes={value!r}"):
         check_group_options("g", None, value, 60, "raise", None)
