@@ -66,6 +66,7 @@ from coordl._core.sizes import format_bytes
 from coordl.exceptions import CacheMismatchError, ShmCapacityError
 
 logger = logging.getLogger(__name__)
+_said_attached: set = set()  # (pid, cache name): "attached existing cache" logged already
 
 _MAGIC = int.from_bytes(b"COORDLC1", "little")
 _VERSION = 3
@@ -358,7 +359,8 @@ class MinIOCache:
                 views.header[_H_KEEP_FREE] = self.keep_free_bytes
         finally:
             segment.unlock()
-        if capacity != self.requested_capacity_bytes:
+        if capacity != self.requested_capacity_bytes and (pid, self.name) not in _said_attached:
+            _said_attached.add((pid, self.name))  # once per process: every worker and epoch attaches again
             logger.info("attached existing cache %s of %s (asked for %s)", self.name,
                         format_bytes(capacity), format_bytes(self.requested_capacity_bytes))
         self._pid, self._segment, self._views, self._slot = pid, segment, views, slot

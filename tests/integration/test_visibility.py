@@ -124,3 +124,17 @@ def test_misses_do_not_fill_the_page_cache(tmp_path):
         assert _resident_bytes(path) == 0
     finally:
         os.remove(path)
+
+
+def test_attaching_an_existing_cache_of_another_size_is_said_once_per_process(caplog):
+    """Every worker and every epoch attaches the cache again; the log says so once per process and cache."""
+    from coordl.minio_cache import MinIOCache, cache_segment_name
+    name = cache_segment_name(f"said-once-{os.getpid()}-{time.monotonic_ns()}")
+    with MinIOCache(name, n_items=4, capacity_bytes=2**20, fingerprint=bytes(32)) as first, \
+            caplog.at_level("INFO", logger="coordl._cache.minio"):
+        assert first.capacity_bytes == 2**20  # created (a handle attaches when first used)
+        for _ in range(3):
+            with MinIOCache(name, n_items=4, capacity_bytes=2**21, fingerprint=bytes(32)) as again:
+                assert again.capacity_bytes == 2**20  # attached: the existing cache keeps its size
+    said = [r for r in caplog.records if "attached existing cache" in r.getMessage()]
+    assert len(said) == 1 and "(asked for 2.0 MiB)" in said[0].getMessage()
