@@ -87,6 +87,26 @@ class LoaderStats:
     """Partitioned caching: per other server, its address, whether it is down, and the items, bytes,
     requests and mean wait per request this rank fetched from it."""
 
+    def __str__(self) -> str:
+        """A small table, a row per epoch and one for the total, then the cache's fill (``repr`` stays the
+        dataclass's, for code)."""
+        columns = [("epoch", lambda e: str(e.epoch) if e.epoch else "total"), ("samples", lambda e: str(e.samples)),
+                   ("samples/s", lambda e: f"{e.samples_per_s:.1f}"), ("hits", lambda e: str(e.hits)),
+                   ("misses", lambda e: str(e.misses)), ("storage MiB", lambda e: f"{e.storage_bytes / 2**20:.1f}"),
+                   ("stall s", lambda e: f"{e.stall_s:.2f}"), ("time s", lambda e: f"{e.time_s:.2f}")]
+        if self.total.servers:
+            columns.insert(5, ("peer hits", lambda e: str(e.peer_hits)))
+        if self.total.group is not None:
+            columns.insert(5, ("shared", lambda e: str(e.shared)))
+        rows = [[name for name, _ in columns]] + [[cell(e) for _, cell in columns] for e in [*self.epochs, self.total]]
+        widths = [max(len(row[k]) for row in rows) for k in range(len(columns))]
+        lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+        if self.cache is not None:
+            cache = self.cache
+            lines.append(f"cache: {cache.items_cached} of {cache.n_items} items ({cache.fill_fraction:.0%}), "
+                         f"{cache.bytes_cached / 2**20:.1f} of {cache.capacity_bytes / 2**20:.1f} MiB")
+        return "\n".join(lines)
+
     def as_dict(self) -> dict:
         """Plain dict (JSON-serialisable), derived rates included."""
         def epoch_dict(e: EpochStats) -> dict:

@@ -138,3 +138,20 @@ def test_attaching_an_existing_cache_of_another_size_is_said_once_per_process(ca
                 assert again.capacity_bytes == 2**20  # attached: the existing cache keeps its size
     said = [r for r in caplog.records if "attached existing cache" in r.getMessage()]
     assert len(said) == 1 and "(asked for 2.0 MiB)" in said[0].getMessage()
+
+
+def test_printed_stats_are_a_table_of_epochs_and_their_repr_is_the_dataclass(image_root):
+    with coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), batch_size=16, collate_fn=list) as loader:
+        for _ in range(2):
+            for _ in loader:
+                pass
+        stats = loader.stats()
+    lines = str(stats).splitlines()
+    assert lines[0].split() == ["epoch", "samples", "samples/s", "hits", "misses", "storage", "MiB", "stall", "s",
+                                "time", "s"]
+    assert [line.split()[0] for line in lines[1:4]] == ["1", "2", "total"]
+    assert lines[1].split()[1:2] == [str(stats.epochs[0].samples)] and lines[3].split()[1] == str(stats.total.samples)
+    assert lines[4] == (f"cache: {stats.cache.items_cached} of {stats.cache.n_items} items "
+                        f"({stats.cache.fill_fraction:.0%}), {stats.cache.bytes_cached / 2**20:.1f} of "
+                        f"{stats.cache.capacity_bytes / 2**20:.1f} MiB")
+    assert repr(stats).startswith("LoaderStats(epochs=[EpochStats(epoch=1")
