@@ -6,6 +6,7 @@ import platform
 import subprocess
 import sys
 
+from benchmarks.drift import source_digests
 from benchmarks.metrics import measured
 
 MIB = 2**20
@@ -33,7 +34,8 @@ def machine() -> dict:
 
 
 def provenance() -> dict:
-    """Which code made the figures: the git commit (and whether the tree had changes) and the command."""
+    """Which code made the figures: the git commit (and whether the tree had changes), the command, and a
+    digest of each source file (``benchmarks.drift`` tells from them when a figure has drifted)."""
     def git(*args: str) -> str | None:
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
@@ -42,7 +44,7 @@ def provenance() -> dict:
             return None
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"git_sha": git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "sources": source_digests()}
 
 
 def spread_text(s: dict, fmt=".2f", scale=1.0) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
 from coordl._core.shm import Unreadable, shm_dir
-from coordl._core.sizes import format_bytes, parse_bytes
+from coordl._core.sizes import format_bytes, parse_size_option
 
 
 def _print_unreadable(found: list) -> None:
@@ -165,10 +165,15 @@ def _whatif(args) -> int:
 
 
 def _byte_size(text: str) -> int:
+    """``--cache``: a size such as ``64GiB`` or a share of the memory available now such as ``50%``."""
     try:
-        return parse_bytes(text)
+        size = parse_size_option("--cache", text, allow_zero=True)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if size is None:
+        raise argparse.ArgumentTypeError("--cache takes a size such as 64GiB or a share of memory such as 50%, "
+                                         "not 'auto', which a loader sizes from the machine it starts on")
+    return size
 
 
 def _subcommands(parser: argparse.ArgumentParser, what: str):

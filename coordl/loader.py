@@ -15,11 +15,12 @@ import weakref
 from typing import TypeVar
 
 import torch.utils.data
-from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from tqdm.auto import tqdm
 
 from coordl._cache.setup import CACHE_VERIFY, wrap_dataset
 from coordl._core import hooks
+from coordl._core.keywords import suggest_keywords
 from coordl._core.log import configure_from_env, warn_caller
 from coordl._core.settings import DEFAULT_GROUP_TIMEOUT_S
 from coordl._core.shm import shm_dir
@@ -148,6 +149,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         print(loader.stats().epochs[-1])
     """
 
+    @suggest_keywords
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
@@ -417,9 +419,11 @@ def _tensor_bytes(batch) -> int:
     return 0
 
 
-class _EpochIterator:
+class _EpochIterator(_BaseDataLoaderIter):
     """coordl's own iterator over one pass of torch's: times the training loop's waits, draws the progress
-    bar, and ends the epoch at its last batch. Anything else is torch's iterator's (``_workers``, ...)."""
+    bar, and ends the epoch at its last batch. Anything else is torch's iterator's (``_workers``, ...). It is a
+    ``_BaseDataLoaderIter``, as torch's iterators are, for code that checks the type; torch's state is the
+    inner iterator's, so the base class's ``__init__`` never runs and its methods go to the inner one."""
 
     def __init__(self, loader: DataLoader, inner):
         self._loader, self._inner = loader, inner
@@ -445,6 +449,15 @@ class _EpochIterator:
         if name.startswith("__") or "_inner" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self._inner, name)
+
+    def _reset(self, loader, first_iter: bool = False) -> None:
+        self._inner._reset(loader, first_iter)
+
+    def _next_index(self):
+        return self._inner._next_index()
+
+    def _next_data(self):
+        return self._inner._next_data()
 
     def __next__(self):
         ledger = self._loader.epoch_ledger

@@ -12,6 +12,9 @@ import coordl
 from coordl._cache import setup as cache_setup
 
 
+TORCH_NAMES = list(inspect.signature(torch.utils.data.DataLoader).parameters)
+
+
 def _loader(root, num_workers):
     return coordl.DataLoader(torchvision.datasets.ImageFolder(root), batch_size=4, num_workers=num_workers,
                              collate_fn=list, cache_bytes="1MiB")
@@ -90,10 +93,18 @@ def test_worker_death_is_reported_as_torch_reports_it(image_root):
     (dict(locality_aware="yes"), ValueError, "locality_aware should be True or False, but got locality_aware='yes'"),
     (dict(locality_aware=1), ValueError, "locality_aware should be True or False, but got locality_aware=1"),
     (dict(batch_size=0), ValueError, "batch_size"),  # torch's own checks still apply
+    (dict(cache_byte=2**20), TypeError, r"unexpected keyword argument 'cache_byte'; did you mean 'cache_bytes'\?"),
+    (dict(num_worker=2), TypeError, r"unexpected keyword argument 'num_worker'; did you mean 'num_workers'\?"),
+    (dict(zzz=1), TypeError, r"DataLoader.__init__\(\) got an unexpected keyword argument 'zzz'$"),
 ])
 def test_bad_settings_are_refused(image_root, kwargs, error, match):
     with pytest.raises(error, match=match):
         coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), **kwargs)
+
+
+def test_the_loaders_signature_is_still_torchs_with_coordls_options():
+    names = list(inspect.signature(coordl.DataLoader).parameters)  # what Lightning reads to rebuild a loader
+    assert names[:len(TORCH_NAMES)] == TORCH_NAMES and "cache_bytes" in names and "kwargs" not in names
 
 
 def test_bad_log_level_names_the_variable(monkeypatch, image_root):

@@ -83,6 +83,18 @@ def test_torchs_iterator_attributes_and_shutdown_are_reachable(image_root):
             it.no_such_attribute
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_the_iterator_is_a_torch_dataloader_iterator_and_still_times_the_loop(image_root, num_workers):
+    with _coordl(_sizes(image_root), batch_size=4, num_workers=num_workers) as loader:
+        it = iter(loader)
+        assert isinstance(it, tud.dataloader._BaseDataLoaderIter)  # what frameworks check
+        batches = list(it)
+        assert len(batches) == len(loader)
+        assert it._num_yielded == len(loader)  # the inner iterator's state
+        epoch = loader.stats().epochs[-1]
+        assert epoch.samples == len(loader.dataset) and epoch.stall_s > 0
+
+
 class Shards(tud.IterableDataset):
     """Each worker yields ``range(sizes[worker id])``; no ``__len__``."""
 

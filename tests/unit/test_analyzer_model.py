@@ -7,6 +7,7 @@ import json
 import pytest
 
 from coordl import analyzer, cli
+from coordl._core import sizes
 from coordl.analyzer import Pipeline
 
 BASE = dict(samples=10_000, sample_bytes=100_000.0, G=900.0, P=600.0, S=150.0, C=50_000.0, cache_fraction=0.3,
@@ -246,3 +247,17 @@ def test_whatif_answers_again_from_the_file_with_the_changes_given(tmp_path, cap
     assert f"with the changes: {four.predicted:.1f} samples/s" in capsys.readouterr().out
     assert cli.main(["whatif", str(tmp_path / "none.json")]) == 2
     assert "none.json" in capsys.readouterr().err
+
+
+def test_whatif_takes_a_cache_as_a_share_of_the_memory_available(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sizes, "available_memory_bytes", lambda: 1600 * 2**20)
+    p = Pipeline(**BASE)
+    path = str(tmp_path / "analysis.json")
+    analyzer.save(path, p)
+    assert cli.main(["whatif", path, "--cache", "50%"]) == 0
+    expected = p.with_changes(cache_fraction=800 * 2**20 / (p.samples * p.sample_bytes))
+    assert f"with the changes: {expected.predicted:.1f} samples/s" in capsys.readouterr().out
+    for bad in ("auto", "150%"):
+        with pytest.raises(SystemExit):
+            cli.main(["whatif", path, "--cache", bad])
+        assert "--cache" in capsys.readouterr().err
