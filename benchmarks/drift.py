@@ -17,7 +17,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORDED = ("coordl", "harness", "benchmarks")  # what a run's provenance digests
+RECORDED = ("coordl", "harness", "benchmarks", "tools")  # what a run's provenance digests
 
 # The loader's data path: the package less the analyzer and the commands built on it.
 DATA_PATH = ("coordl/", "!coordl/analyzer/", "!coordl/cli.py", "!coordl/demo.py", "!coordl/_demo/", "harness/")
@@ -25,42 +25,38 @@ DATA_PATH = ("coordl/", "!coordl/analyzer/", "!coordl/cli.py", "!coordl/demo.py"
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """A results folder the docs quote, the module that makes it, and the paths its figures depend on
-    (prefixes; ``!`` excludes one)."""
+    """A results folder the docs quote and the paths its figures depend on (prefixes; ``!`` excludes one)."""
 
     folder: str
-    module: str
-    measures: tuple[str, ...] = DATA_PATH
-
-    def paths(self) -> tuple[str, ...]:
-        return (*self.measures, f"benchmarks/{self.module}.py")
+    measures: tuple[str, ...]
 
 
-def _module(name: str, *extra: str) -> tuple[str, ...]:
-    return (*DATA_PATH, *(f"benchmarks/{e}.py" for e in extra))
+def _data_path_and(*modules: str) -> tuple[str, ...]:
+    return (*DATA_PATH, *(f"benchmarks/{m}.py" for m in modules))
 
+
+MINIO = _data_path_and("minio", "systems", "metrics")
+ANALYZER = _data_path_and("analyzer", "analyzer_job", "gpu_stall") + ("coordl/analyzer/",)
 
 CLAIMS = (
-    Claim("results/minio", "minio", _module("minio", "systems", "metrics")),
-    Claim("results/minio-iops", "minio", _module("minio", "systems", "metrics")),
-    Claim("results/sweep", "sweep", _module("minio", "systems", "metrics")),
-    Claim("results/cache-sim", "cache_sim", ("benchmarks/cache_sim.py",)),
-    Claim("results/hotpath", "hotpath"),
-    Claim("results/live-split", "live_split", _module("live_split", "hotpath")),
-    Claim("results/dali-feed", "minio", _module("minio", "systems", "metrics")),
-    Claim("results/dali-throughput", "dali_throughput"),
-    Claim("results/gpu-stall", "gpu_stall"),
-    Claim("results/coordprep", "coordprep"),
-    Claim("results/construction", "construction"),
-    Claim("results/scale", "scale"),
-    Claim("results/partitioned-n2", "partitioned", _module("partitioned", "partitioned_job")),
-    Claim("results/partitioned-n4", "partitioned", _module("partitioned", "partitioned_job")),
-    Claim("results/partitioned-n4-1600", "partitioned", _module("partitioned", "partitioned_job")),
-    Claim("results/placement", "placement"),
-    Claim("results/locality", "locality", _module("locality", "partitioned", "partitioned_job")),
-    Claim("results/analyzer", "analyzer", (*DATA_PATH, "coordl/analyzer/", "benchmarks/analyzer_job.py")),
-    Claim("results/knees", "knees", (*DATA_PATH, "coordl/analyzer/", "benchmarks/analyzer.py",
-                                     "benchmarks/analyzer_job.py")),
+    Claim("results/minio", MINIO),
+    Claim("results/minio-iops", MINIO),
+    Claim("results/sweep", (*MINIO, "benchmarks/sweep.py")),
+    Claim("results/cache-sim", ("benchmarks/cache_sim.py",)),
+    Claim("results/hotpath", _data_path_and("hotpath")),
+    Claim("results/live-split", _data_path_and("live_split", "hotpath")),
+    Claim("results/dali-feed", MINIO),
+    Claim("results/dali-throughput", _data_path_and("dali_throughput")),
+    Claim("results/gpu-stall", _data_path_and("gpu_stall")),
+    Claim("results/coordprep", _data_path_and("coordprep")),
+    Claim("results/construction", _data_path_and("construction")),
+    Claim("results/scale", _data_path_and("scale", "construction")),
+    Claim("results/partitioned", _data_path_and("partitioned", "partitioned_job")),
+    Claim("results/placement", ("benchmarks/placement.py",)),
+    Claim("results/locality-sim", ("benchmarks/locality.py", "coordl/_peer/locality.py")),
+    Claim("results/analyzer", ANALYZER),
+    Claim("results/knees", ANALYZER + ("benchmarks/knees.py",)),
+    Claim("results/torch-suite", (*DATA_PATH, "tools/torch_dataloader_suite.py")),
 )
 
 
@@ -109,16 +105,19 @@ def changed(recorded: dict[str, str], current: dict[str, str], prefixes: tuple[s
                   if _under(p, prefixes) and recorded.get(p) != current.get(p))
 
 
-def recorded_provenance(folder: str) -> dict | None:
-    """The provenance a run wrote into ``folder`` (``setup.json`` or ``results.json``), or None."""
-    for name in ("setup.json", "results.json"):
-        path = os.path.join(folder, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                found = _find_provenance(json.load(f))
-            if found is not None:
-                return found
-    return None
+def recorded_provenances(folder: str) -> list[dict | None]:
+    """The provenance of each run in ``folder`` and its subfolders (a ``setup.json`` or ``results.json``
+    each), None for a run that recorded none."""
+    found = []
+    for where, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in ("setup.json", "results.json"):
+            if name in files:
+                with open(os.path.join(where, name)) as f:
+                    found.append(_find_provenance(json.load(f)))
+                dirs[:] = []  # a run's own subfolders (sweep's bandwidths) are the run's
+                break
+    return found
 
 
 def _find_provenance(doc):
@@ -135,10 +134,10 @@ def _find_provenance(doc):
 def drift(claim: Claim, current: dict[str, str], root: str = ROOT) -> list[str] | None:
     """What changed under ``claim``'s paths since its run (empty: current); None when the run recorded
     no digests (it predates them, so it cannot be shown current)."""
-    provenance = recorded_provenance(os.path.join(root, claim.folder))
-    if provenance is None or "sources" not in provenance:
+    runs = recorded_provenances(os.path.join(root, claim.folder))
+    if not runs or any(run is None or "sources" not in run for run in runs):
         return None
-    return changed(provenance["sources"], current, claim.paths())
+    return sorted({path for run in runs for path in changed(run["sources"], current, claim.measures)})
 
 
 def main(argv=None) -> int:
@@ -147,13 +146,13 @@ def main(argv=None) -> int:
     current, drifted = source_digests(), 0
     for claim in CLAIMS:
         files = drift(claim, current)
-        provenance = recorded_provenance(os.path.join(ROOT, claim.folder)) or {}
-        sha = (provenance.get("git_sha") or "?")[:7]
+        shas = {(run or {}).get("git_sha") or "?" for run in recorded_provenances(os.path.join(ROOT, claim.folder))}
+        sha = ", ".join(sorted(s[:7] for s in shas)) or "no runs"
         if files == []:
             print(f"current  {claim.folder} ({sha})")
             continue
         drifted += 1
-        why = "no digests recorded" if files is None else \
+        why = "a run without digests" if files is None else \
             f"{len(files)} file(s) changed: {', '.join(files[:4])}{' …' if len(files) > 4 else ''}"
         print(f"DRIFTED  {claim.folder} ({sha}): {why}; rerun {claim.folder}/run.sh")
     print(f"{len(CLAIMS) - drifted} of {len(CLAIMS)} claims current")
