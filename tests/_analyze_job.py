@@ -2,13 +2,14 @@
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--prep-s T] [--fail-at B
 [--only-in-phase PHASE]] [--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali]
-[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate]``: an ImageFolder at ROOT through
+[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate] [--step-s-in-run S2]``: an ImageFolder at ROOT through
 ``coordl.DataLoader`` (or torch's, ``--torch-loader``; or, ``--rebuilt``, a torch DataLoader built from the coordl
 loader's dataset, batch sampler and collate function, or Accelerate's ``prepare``d one), persistent workers, a
 training step of ``S`` seconds (and ``T`` seconds more prep per sample, waited), leaving each epoch after K
 batches; ``--fail-at B`` raises at batch B (only in coordl analyze's PHASE); ``--ddp``: a rank of a torchrun job
 (gloo, a DistributedSampler, an all-reduce each step, so the ranks go in step); ``--backend``, ``--hp-group``,
-``--hp-group-size``: ``coordl.DataLoader``'s.
+``--hp-group-size``: ``coordl.DataLoader``'s; ``--step-s-in-run``: the step takes ``S2`` seconds in coordl analyze's
+run phase (a machine that got busy between the phases).
 """
 
 import argparse
@@ -50,7 +51,10 @@ def main() -> None:
     parser.add_argument("--hp-group")
     parser.add_argument("--hp-group-size", type=int)
     parser.add_argument("--rebuilt", choices=["torch", "accelerate"])
+    parser.add_argument("--step-s-in-run", type=float)
     args = parser.parse_args()
+    if args.step_s_in_run is not None and os.environ.get("COORDL_ANALYZE_PHASE") == "run":
+        args.step_s = args.step_s_in_run
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor(), Pause(args.prep_s)]))
     options = dict(batch_size=8, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0)

@@ -195,17 +195,23 @@ class Pipeline:
         return misses * self.L > _processes(self.workers, self.cores) / self.P
 
     def stalls(self, samples_per_s: float | None = None) -> dict:
-        """Seconds per epoch: the training step alone (``ideal_s``), lost to prep and lost to fetching, at
-        ``samples_per_s`` (measured; default the prediction)."""
-        rate = self.predicted if samples_per_s is None else samples_per_s
+        """Seconds per epoch of a rank, as the model splits it: the training step alone (``ideal_s``), lost to
+        prep (``prep_s``: prep's own rate, or the cores it takes from the training process) and lost to
+        fetching (``fetch_s``: what the fetch rate and the workers' waits for misses cost beyond that); the
+        three add up to an epoch at the predicted rate. Given a measured ``samples_per_s``, also
+        ``unexplained_s``: the measured epoch less the predicted one (negative: faster), which the model
+        does not book as a stall of either kind."""
         samples = self.samples / (self.servers * self.ranks)  # a rank's share of an epoch
-        if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching the rest
-            prep_s = samples / self.prep_rate
-        else:  # prep's own rate, or the cores it takes from the training process
-            prep_s = max(0.0, samples / (self.contention * min(self.prep_rate, self.cpu_rate, self.G)) -
-                         samples / self.G)
         ideal_s = samples / self.G
-        return {"ideal_s": ideal_s, "prep_s": prep_s, "fetch_s": max(0.0, samples / rate - ideal_s - prep_s)}
+        if self.workers == 0:  # nothing overlaps: prep costs its own time, fetching its own
+            prep_s = samples / self.prep_rate
+        else:
+            prep_s = max(0.0, samples / (self.contention * min(self.prep_rate, self.cpu_rate, self.G)) - ideal_s)
+        out = {"ideal_s": ideal_s, "prep_s": prep_s,
+               "fetch_s": max(0.0, samples / self.predicted - ideal_s - prep_s)}
+        if samples_per_s is not None:
+            out["unexplained_s"] = samples / samples_per_s - samples / self.predicted
+        return out
 
     # -- what if ---------------------------------------------------------------------------------------------
 

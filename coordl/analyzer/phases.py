@@ -95,6 +95,9 @@ HIT_MIN_S = 1.0
 """The least time C is measured over (passes over the items the cache took)."""
 STORAGE_REST_S = 1.0
 """Idle time between S's saturating reads and L's (a throttled or queueing device catches up)."""
+SPREAD_PARTS = 4
+"""Equal parts of a timed window whose rates say how steady it ran (``spread``: the fastest part's rate over
+the slowest's)."""
 RATES_EPOCH = 2
 """The epoch whose map of the caches the rates phase takes (the first that has one): the phase ends before
 the loader starts an epoch of its own."""
@@ -302,6 +305,9 @@ class _Window:
         self.warmup, self.iters = int(settings.get(WARMUP_ENV, "10")), int(settings.get(ITERS_ENV, "100"))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
         self.cpu_started, self.rates, self.prepared = None, None, None  # the rates phase's, and Q's batches
+        self.marks: list[float] = []  # the clock at each batch the timed window asks for, its start first
+        self.returned, self.step_s = None, 0.0  # when the loop got its last batch; its time outside the loader
+        self.timers_before = None  # the run's: the loader's waits and timers when the clock started
         self.extended = False  # Q's window has been lengthened (:meth:`_lengthen`) and is written at exit
         # batches torch draws before the loop has its first (counted only where the draws are: _Drawn)
         self.ahead = loader.num_workers * loader.prefetch_factor if isinstance(loader, _Parts) and \
@@ -311,6 +317,11 @@ class _Window:
         """Before the next batch: end the phase after the window's last; start its clock after the warm-up.
         At both edges the GPU's queued work is waited for, so the window holds its batches' steps and no
         earlier one's."""
+        if self.started is not None:
+            now = time.perf_counter()
+            self.marks.append(now)
+            if self.returned is not None:
+                self.step_s += now - self.returned
         if self.taken == self.ahead + self.warmup + self.iters:
             _drain_gpu()
             if self.phase == "rates":
@@ -323,7 +334,9 @@ class _Window:
         if self.taken == self.ahead + self.warmup:
             _drain_gpu()
             self.started, self.hits_before = time.perf_counter(), _hits(self.loader)
+            self.timers_before = _timers(self.loader) if self.phase == "run" else None
             self.cpu_started = time.process_time()  # the training process's, all its threads
+            self.marks, self.step_s = [self.started], 0.0
 
     def _lengthen(self) -> None:
         """Q's window, each time its ``iters`` are in: shorter than :data:`PREP_MIN_S` (as P's is not), it goes
@@ -359,12 +372,33 @@ class _Window:
         samples = iters * self.batch_size
         out = {"phase": self.phase, "samples_per_s": samples / elapsed, "loop_cpu_s": cpu_s / samples,
                "iters": iters, "batch_size": self.batch_size}
+        out["parts_samples_per_s"] = window_parts(self.marks, self.batch_size)
+        out["spread"] = spread(out["parts_samples_per_s"])
         if self.phase == "run":
             hits, peer_hits, fetched = (now - before for now, before in zip(_hits(self.loader), self.hits_before))
             out["hit_fraction"], out["peer_hit_fraction"] = hits / max(1, fetched), peer_hits / max(1, fetched)
+            out["step_samples_per_s"] = samples / self.step_s if self.step_s > 0 else None
+            out["waits_s"] = {k: (now - before) / samples for (k, now), before
+                              in zip(_timers(self.loader).items(), self.timers_before.values())}
         if self.phase == "rates":  # the loop on prepared batches
-            return {**self.rates, "Q": out["samples_per_s"], "Q_iters": iters, "Q_s": elapsed}
+            return {**self.rates, "Q": out["samples_per_s"], "Q_iters": iters, "Q_s": elapsed,
+                    "Q_spread": out["spread"]}
         return out
+
+
+def window_parts(marks: list[float], batch_size: int, parts: int = SPREAD_PARTS) -> list[float] | None:
+    """Samples/s over each of ``parts`` nearly equal runs of batches between the clock ``marks`` (one per
+    batch the loop asks for, the window's start first); None with fewer batches than parts."""
+    batches = len(marks) - 1
+    if batches < parts:
+        return None
+    cuts = [round(k * batches / parts) for k in range(parts + 1)]
+    return [(b - a) * batch_size / max(marks[b] - marks[a], 1e-9) for a, b in zip(cuts, cuts[1:])]
+
+
+def spread(parts: list[float] | None) -> float | None:
+    """The fastest part's rate over the slowest's (1: steady), None where not measured."""
+    return None if not parts else max(parts) / min(parts)
 
 
 def _most_of_ranks(n: int) -> int:
@@ -411,6 +445,7 @@ class _Timed:
                 w.first = batch = _stop_loading(w.loader, self._iterator, batch)
                 w.handover = _handover(w.loader, batch)
         w.taken += 1
+        w.returned = time.perf_counter()
         return batch
 
 
@@ -585,6 +620,14 @@ def _hits(loader) -> tuple[int, int, int]:
     """Samples served from this server's cache, from the peers' caches, and fetched in all, so far."""
     total = loader.stats().total
     return total.hits, total.peer_hits, total.hits + total.peer_hits + total.misses
+
+
+def _timers(loader) -> dict:
+    """The loop's waits for batches and the loading processes' seconds reading storage, waiting for peers
+    and preparing, so far (the loader's statistics; see ``EpochStats``)."""
+    total = loader.stats().total
+    return {"stall": total.stall_s, "storage": total.storage_wait_s, "peers": total.peer_wait_s,
+            "prep": total.prep_s}
 
 
 def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset | None]:

@@ -26,9 +26,25 @@ def whatif_curves(pipeline: Pipeline) -> dict:
     }
 
 
+def cache_curves(pipeline: Pipeline) -> dict:
+    """What ``cache.png`` draws, from the model that printed the numbers: against the cache (``percent`` of
+    the dataset, 0 to 100), the fetch rate ``F``, the workers' rate ``W`` (``contention · W``, the workers
+    waiting for misses included; ``P`` without workers), the step's ``G`` (times the contention) and the
+    ``predicted`` samples/s; the cache ``knee`` in percent (None: no cache is enough) and the y axis's ``top``
+    (F may run past it)."""
+    p = pipeline
+    at = [p.with_changes(cache_fraction=i / 100) for i in range(101)]
+    w = [q.contention * q.worker_rate if q.workers else q.prep_rate for q in at]
+    predicted = [q.predicted for q in at]
+    knee = p.cache_knee()
+    return {"percent": list(range(101)), "F": [q.fetch_rate for q in at], "W": w, "G": p.contention * p.G,
+            "predicted": predicted, "knee": None if knee is None else 100 * knee,
+            "top": 1.25 * max(max(predicted), max(w), p.contention * p.G)}
+
+
 def draw(pipeline: Pipeline, measured: float | None, out_dir: str) -> list[str]:
-    """``rates.png`` (G, P, S, C, F, predicted and measured; the stall split of an epoch), ``cache.png``
-    (F, P, G and the prediction against the cache size, the knee marked) and ``whatif.png`` (the prediction
+    """``rates.png`` (G, P, S, C, F, predicted and measured; the model's stall split of an epoch, and what a
+    measured run took beyond it, marked as not explained), ``cache.png`` (:func:`cache_curves`) and ``whatif.png`` (the prediction
     against workers, storage speed, jobs sharing the server and servers: :func:`whatif_curves`) in
     ``out_dir``; the paths written, none without matplotlib."""
     try:
@@ -49,28 +65,31 @@ def draw(pipeline: Pipeline, measured: float | None, out_dir: str) -> list[str]:
     stall = p.stalls(measured)
     bottom = 0.0
     for key, label, color in (("ideal_s", "training", "C0"), ("prep_s", "prep stall", "C1"),
-                              ("fetch_s", "fetch stall", "C2")):
-        split.bar(["epoch"], [stall[key]], bottom=bottom, label=label, color=color)
-        bottom += stall[key]
+                              ("fetch_s", "fetch stall", "C2"), ("unexplained_s", "not explained (measured)", "0.7")):
+        if stall.get(key, 0) > 0:
+            split.bar(["modelled"], [stall[key]], bottom=bottom, label=label, color=color, hatch="//" if
+                      key == "unexplained_s" else None)
+            bottom += stall[key]
     split.set_ylabel("seconds per epoch")
     split.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(paths[0], dpi=100)
     plt.close(fig)
 
-    fractions = [i / 100 for i in range(101)]
-    fetch = [p.with_changes(cache_fraction=x).fetch_rate for x in fractions]
+    curves = cache_curves(p)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([100 * x for x in fractions], fetch, label="F (fetch)", color="C4")
-    ax.axhline(p.prep_rate, label="P (prep)", color="C1", linestyle="--")
-    ax.axhline(p.G, label="G (ingestion)", color="C0", linestyle=":")
-    ax.plot([100 * x for x in fractions], [min(f, p.prep_rate, p.G) for f in fetch], label="predicted", color="k",
-            linewidth=2, alpha=0.5)
-    knee = p.cache_knee()
-    if knee is not None:
-        ax.axvline(100 * knee, color="grey", linewidth=0.8)
-    ax.axvline(100 * p.cache_fraction, color="C3", linewidth=0.8, label="this cache")
-    ax.set_ylim(0, 1.2 * max(p.prep_rate, p.G, min(fetch[-1], 2 * max(p.prep_rate, p.G))))
+    percent = curves["percent"]
+    ax.plot(percent, curves["F"], label="F (fetch)", color="C4")
+    ax.plot(percent, curves["W"], label="prep (c·W)" if p.workers else "P (prep)", color="C1", linestyle="--")
+    ax.axhline(curves["G"], label="G (ingestion)" + (" · c" if p.contention < 1 else ""), color="C0", linestyle=":")
+    ax.plot(percent, curves["predicted"], label="predicted", color="k", linewidth=2, alpha=0.5)
+    if curves["knee"] is not None:
+        ax.axvline(curves["knee"], color="grey", linewidth=0.8)
+    ax.axvline(100 * p.cache_fraction, color="C3", linewidth=0.8, label=f"this cache: {p.predicted:.0f} samples/s")
+    ax.set_ylim(0, curves["top"])
+    if curves["F"][-1] > curves["top"]:
+        ax.annotate(f"F: {curves['F'][-1]:.0f} at 100%", (100, curves["top"]), fontsize=8, ha="right", va="top",
+                    textcoords="offset points", xytext=(-4, -4))
     ax.set_xlabel("cache, % of the dataset")
     ax.set_ylabel("samples/s")
     ax.legend(fontsize=8)

@@ -85,12 +85,31 @@ def at_hits(pipeline: Pipeline, hits: float, peer_hits: float | None = None) -> 
     return pipeline.with_changes(cache_fraction=hits, peer_share=peer_hits)
 
 
+def measured_stall(pipeline: Pipeline, run: dict) -> dict | None:
+    """Seconds per epoch of a rank the run's training loop waited for batches (``stall_s``), split into
+    fetching and prep (``fetch_s``, ``prep_s``) by the loading processes' own timers over the same window
+    (their seconds reading storage and waiting for peers, against preparing); the split is None where prep
+    is not timed (the DALI backend). None where the loop's waits were not timed (a torch iterator over the
+    loader's parts)."""
+    waits = run.get("waits_s")
+    if waits is None or run.get("step_samples_per_s") is None:
+        return None
+    samples = pipeline.samples / (pipeline.servers * pipeline.ranks)
+    stall_s, fetching, preparing = waits["stall"] * samples, waits["storage"] + waits["peers"], waits["prep"]
+    if pipeline.fetch_threads or fetching + preparing <= 0:
+        return {"stall_s": stall_s, "fetch_s": None, "prep_s": None}
+    share = fetching / (fetching + preparing)
+    return {"stall_s": stall_s, "fetch_s": stall_s * share, "prep_s": stall_s * (1 - share)}
+
+
 def describe(pipeline: Pipeline, measured: float | None = None,
-             measured_hits: tuple[float, float | None] | None = None) -> str:
+             measured_hits: tuple[float, float | None] | None = None, *, trust: dict | None = None,
+             run: dict | None = None) -> str:
     """The report: the rates, the prediction and its bottleneck in one sentence, the stall split per epoch
     and the what-if answers. ``measured``, measured with ``measured_hits`` (the share of its fetches from
     this server's cache, and from the peers' or None; default: the pipeline's cache fraction), is set beside
-    the prediction for those hits."""
+    the prediction for those hits. ``trust`` (``runner.trust_of``) widens the prediction to a range or
+    withholds it, saying why; ``run`` (the run phase's result) gives the measured stall's split."""
     p = pipeline
     dataset_bytes = p.samples * p.sample_bytes
     lines = [f"dataset {p.samples} samples, {format_bytes(dataset_bytes)}; cache "
@@ -116,7 +135,15 @@ def describe(pipeline: Pipeline, measured: float | None = None,
     if p.contention < 1 and p.workers:
         lines.append(f"  contention      {p.contention:10.3f}  (the share of min(W, G) the loop reaches while "
                      f"{'DALI prepares' if p.fetch_threads else 'its workers prepare'})")
-    lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
+    if trust and trust["withheld"]:
+        lines.append(f"  predicted       withheld: {'; '.join(trust['why'])}. Analyze again on a quieter machine "
+                     f"(the model's {p.predicted:.1f} samples/s stands on rates that did not hold still)")
+    elif trust and trust["range"]:
+        low, high = trust["range"]
+        lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}  (between {low:.1f} and {high:.1f}: "
+                     f"{'; '.join(trust['why'])})")
+    else:
+        lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
     if measured is not None:
         hits, peer_hits = (p.cache_fraction, None) if measured_hits is None else measured_hits
         expected = at_hits(p, hits, peer_hits).predicted
@@ -128,8 +155,16 @@ def describe(pipeline: Pipeline, measured: float | None = None,
         f": the {p.cores} cores, which the training process shares with prep, so more workers do not help"
         if cores_bound else ""))
     stall = p.stalls(measured)
-    lines.append(f"per epoch: {stall['ideal_s']:.1f} s training, {stall['prep_s']:.1f} s prep stall, "
-                 f"{stall['fetch_s']:.1f} s fetch stall")
+    lines.append(f"per epoch, as modelled: {stall['ideal_s']:.1f} s training, {stall['prep_s']:.1f} s prep stall, "
+                 f"{stall['fetch_s']:.1f} s fetch stall" + (
+                     f"; the run took {stall['unexplained_s']:+.1f} s more than that, which the model does not "
+                     "explain" if stall.get("unexplained_s") is not None and abs(stall["unexplained_s"]) >= 0.05 *
+                     (stall["ideal_s"] + stall["prep_s"] + stall["fetch_s"]) else ""))
+    waited = measured_stall(p, run) if run is not None else None
+    if waited is not None:
+        split = "" if waited["fetch_s"] is None else (
+            f": {waited['fetch_s']:.1f} s fetching and {waited['prep_s']:.1f} s prep, by the workers' own timers")
+        lines.append(f"per epoch, as measured: the loop waited {waited['stall_s']:.1f} s for batches{split}")
     lines.append("what if:")
     for a in answers(p):
         rate = a["samples_per_s"]

@@ -30,8 +30,13 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
 STOP_GRACE_S = 5.0
 OBSERVER = "coordl.analyzer.phases:OBSERVER"
 """The data path's observer in a phase run of the script (``COORDL_OBSERVER``)."""
-RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R")
+RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R", "step_samples_per_s")
 """The rates (samples/s) a phase's result may hold."""
+UNSTEADY = 1.5
+"""A rate whose window's parts differ by more than this factor, or that moved by more between phases, is
+flagged and the prediction given as a range."""
+UNTRUSTED = 3.0
+"""Past this factor the prediction is withheld: the machine was too busy to measure on."""
 
 
 class PhaseFailed(RuntimeError):
@@ -155,9 +160,10 @@ def _combine(ranks: list[dict]) -> dict:
             out[key] = min(values) if values else None
     for key in together:
         out[key] = sum(r[key] for r in ranks)
-    for key in ("L", "loop_cpu_s", "prep_cpu_s"):
+    for key in ("L", "loop_cpu_s", "prep_cpu_s", "spread", "Q_spread"):
+        values = [r[key] for r in ranks if r.get(key) is not None]
         if key in out:
-            out[key] = max(r[key] for r in ranks)
+            out[key] = max(values) if values else None
     for key in ("hit_fraction", "peer_hit_fraction"):
         if key in out:
             out[key] = sum(r[key] for r in ranks) / len(ranks)
@@ -216,7 +222,40 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
     if rates.get("Q") is not None:  # Q had nothing to fetch: of what W and G allow with no misses
         alone = pipeline.with_changes(cache_fraction=1.0)
         pipeline = dataclasses.replace(pipeline, contention=min(1.0, rates["Q"] / min(alone.worker_rate, alone.G)))
-    return pipeline, {"results": results, "flags": flags}
+    trust = trust_of(pipeline, results)
+    return pipeline, {"results": results, "flags": flags + trust["why"], "trust": trust}
+
+
+def trust_of(pipeline: Pipeline, results: dict) -> dict:
+    """How far the prediction can be trusted, from how steady the rates ran: each timed window's spread
+    (its parts' fastest rate over the slowest) and how far the training step's rate moved between the
+    ingestion phase and the run (where it shares the cores with prep, so from G·contention to G is as
+    measured). ``why``: a sentence per unsteady rate; ``range``: the predictions with G
+    at the least and the most it was seen at (None when steady); ``withheld``: past :data:`UNTRUSTED`."""
+    g = results["ingestion"]["samples_per_s"]
+    seen = [g]
+    why, worst = [], 1.0
+    for phase, key, what in (("ingestion", "spread", "G (the training step alone)"),
+                             ("rates", "Q_spread", "Q (the loop on prepared batches)"),
+                             ("run", "spread", "the run's samples/s")):
+        spread = results[phase].get(key)
+        if spread is not None and spread > UNSTEADY:
+            worst = max(worst, spread)
+            why.append(f"{what} varied {spread:.1f}x within its window: the machine was busy")
+            if phase == "ingestion":
+                seen += results[phase]["parts_samples_per_s"]
+    step = results["run"].get("step_samples_per_s")
+    if step is not None:  # in the run the step shares the cores with prep: at G·contention to G, as measured
+        moved = step / g if step > g else g * pipeline.contention / step if step < g * pipeline.contention else 1.0
+        if moved > UNSTEADY:
+            worst = max(worst, moved)
+            why.append(f"G varied {moved:.1f}x between phases: the training step ran at {g:.0f} samples/s alone "
+                       f"and at {step:.0f} in the run: the machine was busy")
+            seen.append(step)
+    if not why:
+        return {"why": [], "range": None, "withheld": False}
+    predictions = [dataclasses.replace(pipeline, G=rate).predicted for rate in (min(seen), max(seen))]
+    return {"why": why, "range": [min(predictions), max(predictions)], "withheld": worst > UNTRUSTED}
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -248,8 +287,9 @@ def main(args) -> int:
     report.save(path, pipeline, run["samples_per_s"], extra={
         "measured_hit_fraction": hits[0], "measured_peer_hit_fraction": hits[1],
         "predicted_at_measured_hits": report.at_hits(pipeline, *hits).predicted,
-        "flags": measured["flags"], "phases": measured["results"]})
-    print(report.describe(pipeline, run["samples_per_s"], hits))
+        "flags": measured["flags"], "trust": measured["trust"], "measured_stall": report.measured_stall(pipeline, run),
+        "phases": measured["results"]})
+    print(report.describe(pipeline, run["samples_per_s"], hits, trust=measured["trust"], run=run))
     for flag in measured["flags"]:
         print(f"note: {flag}")
     written = plots.draw(pipeline, run["samples_per_s"], args.out)

@@ -61,12 +61,27 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path, mon
     assert 0 < cpu["prep"] <= 1.5 / doc["rates"]["P"] and 0 < cpu["step"] < step_s / BATCH
     assert doc["cpu_samples_per_s"] == pytest.approx(doc["config"]["cores"] / (cpu["step"] + cpu["prep"]))
     assert "bottleneck:" in proc.stdout and "what if:" in proc.stdout and "[3/3]" in proc.stdout
+    waited = doc["measured_stall"]  # the loop's waits in the run, split by the worker's own timers
+    assert waited["stall_s"] >= 0 and waited["fetch_s"] + waited["prep_s"] == pytest.approx(waited["stall_s"])
+    assert "per epoch, as measured: the loop waited" in proc.stdout
+    assert set(doc["trust"]) == {"why", "range", "withheld"} and doc["phases"]["run"]["step_samples_per_s"] > 0
     for phase in ("ingestion", "rates", "run"):
         assert (tmp_path / f"phase-{phase}.log").exists() and (tmp_path / f"phase-{phase}.json").exists()
     assert not list(tmp_path.glob("*.claimed"))
     again = subprocess.run([sys.executable, "-m", "coordl.cli", "whatif", str(tmp_path / "analysis.json"), "--workers",
                             "2"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "with the changes:" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_step_that_slowed_between_the_phases_withholds_the_prediction_and_says_why(image_root, tmp_path):
+    proc = _analyze(tmp_path, image_root, "--step-s", "0.005", "--step-s-in-run", "0.1")  # 20× slower in the run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    assert doc["trust"]["withheld"] and any("between phases" in why for why in doc["trust"]["why"])
+    step = doc["phases"]["run"]["step_samples_per_s"]
+    assert step == pytest.approx(BATCH / 0.1, rel=0.3)  # the run's step, timed apart from the loader's waits
+    assert "predicted       withheld: G varied" in proc.stdout and "the machine was busy" in proc.stdout
 
 
 @pytest.mark.slow

@@ -44,13 +44,25 @@ def test_without_workers_fetch_prep_and_the_step_take_turns():
     assert p.workers_knee() == 2  # at least one worker; P was measured on one process: 600 samples/s each
 
 
-def test_the_stall_split_adds_up_to_the_epoch():
+def test_the_stall_split_adds_up_to_the_predicted_epoch_and_a_measured_one_adds_what_it_leaves_unexplained():
     p = Pipeline(**BASE)
     for measured in (None, 180.0):
         stall = p.stalls(measured)
-        rate = p.predicted if measured is None else measured
-        assert stall["ideal_s"] + stall["prep_s"] + stall["fetch_s"] == pytest.approx(p.samples / rate)
+        assert stall["ideal_s"] + stall["prep_s"] + stall["fetch_s"] == pytest.approx(p.samples / p.predicted)
         assert stall["prep_s"] == pytest.approx(p.samples / p.P - p.samples / p.G)
+    assert p.stalls(180.0)["unexplained_s"] == pytest.approx(p.samples / 180.0 - p.samples / p.predicted)
+
+
+def test_a_run_slower_than_predicted_with_every_sample_cached_books_no_fetch_stall():
+    cached = Pipeline(**{**BASE, "cache_fraction": 1.0, "C": 50_000.0})  # F is 50,000 samples/s
+    assert cached.fetch_rate == pytest.approx(50_000.0)
+    stall = cached.stalls(cached.predicted / 2)  # a run at half the prediction
+    assert stall["fetch_s"] == 0.0 and stall["unexplained_s"] == pytest.approx(cached.samples / cached.predicted)
+    fast_storage = Pipeline(**{**BASE, "S": 5000.0})
+    for p in (cached, fast_storage, Pipeline(**BASE), Pipeline(**{**BASE, "cache_fraction": 0.9})):
+        knee = p.cache_knee()  # "the smallest cache that removes the fetch stall" agrees with the split
+        assert (p.stalls(p.predicted / 3)["fetch_s"] == 0) == (knee is not None and knee <= p.cache_fraction + 1e-6)
+    assert fast_storage.cache_knee() == 0.0 and fast_storage.stalls(10.0)["fetch_s"] == 0.0
 
 
 def test_the_cache_knee_is_where_fetching_meets_prep():
@@ -209,7 +221,8 @@ def test_an_analysis_round_trips_through_its_json(tmp_path):
     analyzer.save(path, p, measured=205.0)
     doc = json.load(open(path))
     assert doc["predicted_samples_per_s"] == pytest.approx(p.predicted) and doc["bottleneck"] == "fetch"
-    assert set(doc["rates"]) == {"G", "P", "S", "C", "R"} and set(doc["stall"]) == {"ideal_s", "prep_s", "fetch_s"}
+    assert set(doc["rates"]) == {"G", "P", "S", "C", "R"} and set(doc["stall"]) == {"ideal_s", "prep_s", "fetch_s",
+                                                                                  "unexplained_s"}
     again, measured = analyzer.load(path)
     assert again == p and measured == 205.0
     questions = [a["question"] for a in doc["whatif"]]

@@ -35,6 +35,21 @@ def test_the_whatif_curves_pass_through_the_whatif_answers():
     assert servers[4] == pytest.approx(_answer(p, "servers", 4)["samples_per_s"])
 
 
+@pytest.mark.parametrize("changes", [dict(), dict(contention=0.6, L=0.004, workers=2), dict(workers=0),
+                                     dict(cache_fraction=1.0, C=50_000.0, P=5000.0, contention=0.7)])
+def test_the_cache_plot_draws_the_model_that_printed_the_prediction(changes):
+    p = Pipeline(**{**BASE, **changes})
+    curves = plots.cache_curves(p)
+    here = round(100 * p.cache_fraction)
+    assert curves["predicted"][here] == pytest.approx(p.predicted)  # the report's number, on the line
+    for x, predicted in zip(curves["percent"], curves["predicted"]):
+        assert predicted == pytest.approx(p.with_changes(cache_fraction=x / 100).predicted)
+        assert predicted <= min(curves["F"][x], curves["W"][x], curves["G"] if p.workers else curves["W"][x]) + 1e-9
+        assert predicted <= curves["top"]
+    knee = p.cache_knee()
+    assert curves["knee"] == (None if knee is None else pytest.approx(100 * knee))
+
+
 def test_one_server_has_no_servers_curve():
     assert plots.whatif_curves(Pipeline(**BASE))["servers"] is None
 

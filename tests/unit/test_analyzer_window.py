@@ -268,3 +268,51 @@ def test_ranks_that_step_together_lengthen_q_by_the_most_any_of_them_needs(tmp_p
 
 def test_a_process_alone_keeps_its_own_count():
     assert phases._most_of_ranks(9) == 9
+
+
+def test_a_window_says_how_steady_it_ran_from_its_parts(monkeypatch, tmp_path):
+    gpu = _FakeGpu(_Clock())
+    gpu.is_initialized = lambda: False
+    window = _window(monkeypatch, tmp_path, gpu, warmup=1, iters=8)
+    steps = iter([0.1] * 5 + [0.1, 0.1, 1.0, 1.0, 0.1])  # the last quarter but one: the machine got busy
+    with pytest.raises(SystemExit):
+        while True:
+            window.count()
+            window.taken += 1
+            gpu.clock.now += next(steps)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["parts_samples_per_s"] == pytest.approx([40.0, 40.0, 40.0, 4.0])  # 2 batches each
+    assert result["spread"] == pytest.approx(10.0)
+    assert phases.window_parts([0.0, 1.0, 2.0], batch_size=4) is None  # fewer batches than parts
+
+
+def test_the_runs_window_times_the_step_apart_from_the_loaders_waits(monkeypatch, tmp_path):
+    clock = _Clock()
+    totals = types.SimpleNamespace(hits=0, peer_hits=0, misses=0, stall_s=0.0, storage_wait_s=0.0, peer_wait_s=0.0,
+                                   prep_s=0.0)
+    loader = types.SimpleNamespace(epoch_ledger=object(), batch_size=4, num_workers=0, prefetch_factor=None,
+                                   stats=lambda: types.SimpleNamespace(total=totals))
+    monkeypatch.setattr(phases, "time", clock)
+    monkeypatch.setattr(phases.torch.cuda, "is_initialized", lambda: False)
+    for name, value in ((phases.WARMUP_ENV, "1"), (phases.ITERS_ENV, "4"), (phases.RESULT_ENV,
+                                                                            str(tmp_path / "result.json"))):
+        monkeypatch.setenv(name, value)
+    window = phases._Window(loader, "run")
+
+    def batches():
+        while True:  # the loop waits 0.3 s for each, while the workers read for 0.2 s and prepare for 0.6 s
+            clock.now += 0.3
+            totals.stall_s += 0.3
+            totals.storage_wait_s += 0.2
+            totals.prep_s += 0.6
+            yield [0, 1, 2, 3]
+
+    timed = phases._Timed(window, batches())
+    with pytest.raises(SystemExit):
+        while True:
+            next(timed)
+            clock.now += 0.2  # the step
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["samples_per_s"] == pytest.approx(4 * 4 / (4 * 0.5))
+    assert result["step_samples_per_s"] == pytest.approx(4 * 4 / (4 * 0.2))
+    assert result["waits_s"] == pytest.approx({"stall": 0.3 / 4, "storage": 0.2 / 4, "peers": 0.0, "prep": 0.6 / 4})
