@@ -2,11 +2,12 @@
 ``coordl group ls|rm``."""
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
-from coordl._core.shm import Unreadable, shm_dir
+from coordl._core.shm import Unreadable, segment_path, shm_dir
 from coordl._core.sizes import format_bytes, parse_size_option
 
 
@@ -16,6 +17,39 @@ def _print_unreadable(found: list) -> None:
             print(f"{item.name}  ({item.why})")
 
 
+def _memory_used(name: str) -> int | None:
+    """Bytes of memory segment ``name`` really holds (a cache's file is sparse: its size is its capacity)."""
+    try:
+        return os.stat(segment_path(name)).st_blocks * 512
+    except OSError:
+        return None
+
+
+def _mapping_processes(names: list[str]) -> dict[str, list[str]]:
+    """``{segment: ["pid (command)", ...]}``: the processes that map each of ``names``, found by the file's
+    device and inode in ``/proc/*/maps`` (those this user may read; a segment is mapped under the name it
+    was created with, so its path there is not its name)."""
+    files = {}
+    for name in names:
+        try:
+            st = os.stat(segment_path(name))
+        except OSError:
+            continue
+        files[(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", str(st.st_ino))] = name
+    found: dict[str, list[str]] = {n: [] for n in names}
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = {tuple(fields[3:5]) for fields in (line.split() for line in f) if len(fields) >= 6}
+            with open(f"/proc/{pid}/comm") as f:
+                command = f.read().strip()
+        except OSError:  # gone, or another user's
+            continue
+        for key in mapped & set(files):
+            found[files[key]].append(f"{pid} ({command})")
+    return found
+
+
 def _cache_ls(args) -> int:
     found = minio_cache.list_caches()
     if not found:
@@ -23,13 +57,21 @@ def _cache_ls(args) -> int:
         return 0
     caches = [c for c in found if not isinstance(c, Unreadable)]
     if caches:
-        print(f"{'name':<24}{'items':>16}{'bytes':>24}{'frozen':>8}{'users':>7}  dataset")
+        print(f"{'name':<24}{'items':>16}{'cached':>24}{'in memory':>12}{'frozen':>8}{'users':>7}  dataset")
+    holders = _mapping_processes([c.name for c in caches])
     for c in caches:
         items = f"{c.items_cached}/{c.n_items}"
         size = f"{format_bytes(c.bytes_cached)}/{format_bytes(c.capacity_bytes)}"
+        used = _memory_used(c.name)
         state = "stale" if c.users_alive == 0 else str(c.users_alive)
         role = f" [partitioned: server {c.partition[0]} of {c.partition[1]}]" if c.partition else ""
-        print(f"{c.name:<24}{items:>16}{size:>24}{'yes' if c.frozen else 'no':>8}{state:>7}  {c.label}{role}")
+        print(f"{c.name:<24}{items:>16}{size:>24}{format_bytes(used) if used is not None else '-':>12}"
+              f"{'yes' if c.frozen else 'no':>8}{state:>7}  {c.label}{role}")
+        if holders[c.name]:
+            print(f"{'':<24}mapped by {', '.join(holders[c.name])}")
+    if caches:
+        print("cached: the samples' bytes / the capacity; in memory: what the segment holds now (its file in "
+              f"{shm_dir()} is sparse, so `ls` shows the capacity)")
     _print_unreadable(found)
     return 0
 
@@ -206,8 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cache-fraction", type=_fraction, default=0.5,
                       help="memory of each system (torch's page cache, coordl's cache) / dataset size, in (0, 1] "
                            "(default: 0.5)")
-    demo.add_argument("--read-mbps", type=_positive_number, default=4.0,
-                      help="the emulated disk's bandwidth in MB/s (default: 4)")
+    demo.add_argument("--read-mbps", type=_positive_number, default=None,
+                      help="the emulated disk's bandwidth in MB/s (default: measure prep here first and pick one at "
+                           "which reading an epoch's misses takes longer than preparing it)")
     demo.add_argument("--workers", type=_whole_number(0), default=2,
                       help="DataLoader worker processes, 0 to load in the main process (default: 2)")
     demo.add_argument("--batch-size", type=_whole_number(1), default=32, help="samples per batch (default: 32)")

@@ -3,6 +3,7 @@
 import argparse
 import getpass
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import torchvision
 import coordl
 from coordl._cache.minio import MinIOCache, cache_segment_name
 from coordl._core.shm import segment_path
+from coordl._core.sizes import format_bytes
 from coordl.cli import build_parser
 from tests import _procs
 from tests._signals import FileEvent
@@ -34,7 +36,7 @@ def _stale_cache(tmp_path) -> str:
 
 
 def test_ls_and_rm(tmp_path):
-    live = MinIOCache(cache_segment_name(secrets.token_hex(6)), n_items=3, capacity_bytes=1000,
+    live = MinIOCache(cache_segment_name(secrets.token_hex(6)), n_items=3, capacity_bytes=2**30,
                       fingerprint=bytes(32), label="cli-test live")
     live.put(0, b"x" * 100)
     stale = _stale_cache(tmp_path)
@@ -42,6 +44,11 @@ def test_ls_and_rm(tmp_path):
         out = _coordl("cache", "ls").stdout
         assert live.name in out and "1/3" in out and "cli-test live" in out
         assert stale in out and "stale" in out.split(stale)[1].splitlines()[0]
+        row, holders = out.split(live.name)[1].splitlines()[:2]
+        held = os.stat(segment_path(live.name)).st_blocks * 512  # sparse: far less than its file's size
+        assert held < os.path.getsize(segment_path(live.name)) and format_bytes(held) in row
+        assert holders.strip() == f"mapped by {os.getpid()} ({open('/proc/self/comm').read().strip()})"
+        assert "mapped by" not in out.split(stale)[1].splitlines()[1]  # its holder was SIGKILLed
 
         refused = _coordl("cache", "rm", live.name)
         assert refused.returncode == 1 and "in use by 1 process" in refused.stderr
@@ -60,13 +67,19 @@ def test_ls_and_rm(tmp_path):
 @pytest.mark.budget(30)  # the demo's one end-to-end run: a fresh interpreter that imports torchvision
 def test_demo_shows_coordl_reading_less_than_torch_with_the_same_memory(tmp_path):
     done = _coordl("demo", "--images", "40", "--epochs", "2", "--workers", "0", "--batch-size", "8",
-                   "--read-mbps", "1000", "--dir", str(tmp_path))
+                   "--dir", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert "Storage: emulated disk" in done.stdout
+    picked = re.search(r"the disk gets ([\d.e+-]+) MB/s", done.stdout)  # measured prep, then picked the disk
+    assert picked, done.stdout
     rows = {(r[0], int(r[1])): r for r in (line.split() for line in done.stdout.splitlines())
             if r and r[0] in ("torch", "coordl") and r[1].isdigit()}
     assert list(rows) == [("torch", 1), ("torch", 2), ("coordl", 1), ("coordl", 2)]
-    hits, misses, read_mib = ({key: float(r[column]) for key, r in rows.items()} for column in (5, 6, 4))
+    hits, misses, read_mib, disk_s = ({key: float(r[column]) for key, r in rows.items()} for column in (7, 8, 6, 3))
+    for key, row in rows.items():  # each epoch's floor is its bytes at the disk's bandwidth, and it names a bound
+        assert disk_s[key] == pytest.approx(read_mib[key] * 2**20 / (float(picked.group(1)) * 1e6), rel=0.05,
+                                            abs=0.01)
+        assert row[4] in ("storage", "prep") and float(row[2]) >= disk_s[key] * 0.95
     assert hits["torch", 1] == hits["coordl", 1] == 0 and misses["torch", 1] == misses["coordl", 1] == 40
     assert 0 < hits["coordl", 2] < 40 and hits["coordl", 2] + misses["coordl", 2] == 40  # half cached
     assert hits["torch", 2] + misses["torch", 2] == 40

@@ -1,6 +1,8 @@
 """The demo's conclusion says what its numbers support."""
 
-from coordl.demo import MiB, conclusion
+import pytest
+
+from coordl.demo import STORAGE_MARGIN, MiB, bound_by, conclusion, storage_bound_mbps
 
 
 def _rows(system: str, read_mib: list[float], hits: list[int]) -> list[dict]:
@@ -23,3 +25,16 @@ def test_conclusion_says_when_coordl_reads_nothing_or_more():
         torch_rows + _rows("coordl", [100, 0], [0, 100]), 100 * MiB)
     more = conclusion(torch_rows + _rows("coordl", [100, 20], [0, 80]), 0)
     assert "2.0× more than torch's 10.0 MiB" in more and "evicted" not in more
+
+
+def test_the_picked_disk_takes_longer_to_read_an_epochs_misses_than_prep_takes_to_prepare_it():
+    mean_bytes, prep = 110_000.0, 400.0  # samples/s
+    for fraction in (0.3, 0.5, 0.9):
+        mbps = storage_bound_mbps(mean_bytes, prep, fraction)
+        read_s = max(1 - fraction, 0.25) * 1000 * mean_bytes / (mbps * 1e6)  # an epoch of 1000 samples
+        assert read_s == pytest.approx(STORAGE_MARGIN * 1000 / prep)
+
+
+def test_an_epoch_near_its_disk_time_floor_was_bound_by_storage():
+    assert bound_by({"disk_s": 9.0, "time_s": 10.0}) == "storage"
+    assert bound_by({"disk_s": 3.0, "time_s": 10.0}) == "prep"
