@@ -158,8 +158,11 @@ def analyze(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = 
 
 
 def _job_args(config: dict, args) -> list[str]:
+    """The job's options for ``config``; its ``step_ms``, ``batch_size`` and ``workload`` where it has them (the
+    held-out grid's rows), else the run's ``--step-ms``, batches of 16 and decoded images."""
     return [str(a) for a in ("--cache-bytes", config["cache_bytes"], "--workers", config["workers"], "--step-ms",
-                             args.step_ms, "--backend", args.backend)]
+                             config.get("step_ms", args.step_ms), "--backend", args.backend, "--batch-size",
+                             config.get("batch_size", 16), "--workload", config.get("workload", "decode"))]
 
 
 def _on_servers(storage, config: dict, work: str, argv_of, where: str, bounded: bool = True,
@@ -304,14 +307,16 @@ def file_sizes(root: str) -> list[int]:
     return [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
 
 
-def dataset_on_its_disk(cleanup: Cleanup, args, images: int):
-    """``images`` generated JPEGs copied onto a throttled loop device of their own, every page dropped so
-    that each run starts cold: the work folder, the storage and the files' sizes."""
+def dataset_on_its_disk(cleanup: Cleanup, args, images: int, mean_side_px: int | None = None):
+    """``images`` generated JPEGs (of ``mean_side_px``, default ``--mean-side-px``) copied onto a throttled
+    loop device of their own, every page dropped so that each run starts cold: the work folder, the storage
+    and the files' sizes."""
     from coordl._demo.synthetic import make_image_folder
     work = cleanup.workdir(args.workdir)
     source = os.path.join(work, "train")
-    print(f"generating {images} JPEGs ...", flush=True)
-    make_image_folder(source, images, mean_side_px=args.mean_side_px, seed=args.seed)
+    side = mean_side_px or args.mean_side_px
+    print(f"generating {images} JPEGs of about {side} px ...", flush=True)
+    make_image_folder(source, images, mean_side_px=side, seed=args.seed)
     storage = prepare_storage("cgroup", source, cleanup, work)
     evict_files(storage.root)
     sizes = file_sizes(storage.root)

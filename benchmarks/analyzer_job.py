@@ -1,8 +1,10 @@
 """The training script ``benchmarks.analyzer`` analyzes and then times: an ImageFolder through
 ``coordl.DataLoader`` (random crops, shuffled, persistent workers), a training step of ``--step-ms``.
 
-``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--backend dali]
-[--out FILE] [--started FILE]``
+``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--batch-size N]
+[--workload decode|bytes] [--backend dali] [--out FILE] [--started FILE]``; ``--workload bytes``: the files' first
+:data:`BYTES_SAMPLE` raw bytes as a tensor (a ``coordl.FileDataset``, no decode), where ``decode`` (the default)
+decodes and crops the images;
 writes ``loader.stats()``'s epochs to FILE (JSON) at the end, and creates the ``--started`` file once its loader
 is built, before its first epoch. Under torchrun with several ranks, each rank
 takes its share of every epoch (``DistributedSampler``), all-reduces after each step as DDP does, and
@@ -23,6 +25,14 @@ from torchvision import transforms
 
 import coordl
 
+BYTES_SAMPLE = 4096
+"""Bytes of each file a sample of the raw-bytes workload holds (padded with zeros: one size, for collate)."""
+
+
+def first_bytes(raw: bytes) -> torch.Tensor:
+    """The raw-bytes workload's sample: the file's first :data:`BYTES_SAMPLE` bytes."""
+    return torch.frombuffer(bytearray(raw[:BYTES_SAMPLE].ljust(BYTES_SAMPLE, b"\0")), dtype=torch.uint8)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -33,11 +43,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--backend", default="torch")
+    parser.add_argument("--workload", choices=("decode", "bytes"), default="decode")
     parser.add_argument("--out")
     parser.add_argument("--started")
     args = parser.parse_args()
     dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
         [transforms.RandomResizedCrop(64, antialias=True), transforms.ToTensor()]))
+    if args.workload == "bytes":
+        dataset = coordl.FileDataset([path for path, _ in dataset.samples], targets=dataset.targets,
+                                     decode=first_bytes)
     ranks = int(os.environ.get("WORLD_SIZE", 1))
     sampler = None
     if ranks > 1:
