@@ -2,6 +2,7 @@
 ``coordl group ls|rm``."""
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -198,6 +199,10 @@ def _whatif(args) -> int:
     except (OSError, ValueError) as e:
         print(f"coordl whatif: {e}", file=sys.stderr)
         return 2
+    trust = _trust_of_file(args.analysis)
+    if trust and (trust.get("withheld") or trust.get("range")):
+        print(f"note: the analysis's prediction was {'withheld' if trust['withheld'] else 'given as a range'}: "
+              f"{'; '.join(trust['why'])}; these answers share its doubt")
     print(f"as analyzed: {pipeline.predicted:.1f} samples/s per job, bound by "
           f"{analyzer.BOTTLENECKS[pipeline.bottleneck]}")
     print(f"with the changes: {changed.predicted:.1f} samples/s per job "
@@ -206,16 +211,24 @@ def _whatif(args) -> int:
     return 0
 
 
+def _trust_of_file(path: str) -> dict | None:
+    """The ``trust`` an ``analysis.json`` records (``coordl analyze`` since it measures how steady rates ran)."""
+    try:
+        with open(path) as f:
+            return json.load(f).get("trust")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _byte_size(text: str) -> int:
     """``--cache``: a size such as ``64GiB`` or a share of the memory available now such as ``50%``."""
-    try:
-        size = parse_size_option("--cache", text, allow_zero=True)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if size is None:
+    if text.strip().lower() == "auto":
         raise argparse.ArgumentTypeError("--cache takes a size such as 64GiB or a share of memory such as 50%, "
                                          "not 'auto', which a loader sizes from the machine it starts on")
-    return size
+    try:
+        return parse_size_option("--cache", text, allow_zero=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _subcommands(parser: argparse.ArgumentParser, what: str):
@@ -273,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     whatif = sub.add_parser("whatif", help="predict a job's throughput with another cache, workers, storage, "
                                            "servers or jobs, from the analysis.json `coordl analyze` wrote")
     whatif.add_argument("analysis", help="an analysis.json")
-    whatif.add_argument("--cache", type=_byte_size, help="cache size, e.g. 64GiB")
+    whatif.add_argument("--cache", type=_byte_size, help="cache size, e.g. 64GiB, or a share of the memory available "
+                                                        "now, e.g. 50%%")
     whatif.add_argument("--workers", type=_whole_number(0), help="DataLoader worker processes")
     whatif.add_argument("--storage-mbps", type=_positive_number, help="storage random-read bandwidth in MB/s")
     whatif.add_argument("--servers", type=_whole_number(1), help="servers, with partitioned caching")

@@ -305,7 +305,7 @@ class _Window:
         self.warmup, self.iters = int(settings.get(WARMUP_ENV, "10")), int(settings.get(ITERS_ENV, "100"))
         self.taken, self.started, self.hits_before, self.first, self.handover = 0, None, None, None, None
         self.cpu_started, self.rates, self.prepared = None, None, None  # the rates phase's, and Q's batches
-        self.marks: list[float] = []  # the clock at each batch the timed window asks for, its start first
+        self.marks: list[float] = []  # the window's start, then the clock at each batch delivered in it
         self.returned, self.step_s = None, 0.0  # when the loop got its last batch; its time outside the loader
         self.timers_before = None  # the run's: the loader's waits and timers when the clock started
         self.extended = False  # Q's window has been lengthened (:meth:`_lengthen`) and is written at exit
@@ -317,11 +317,9 @@ class _Window:
         """Before the next batch: end the phase after the window's last; start its clock after the warm-up.
         At both edges the GPU's queued work is waited for, so the window holds its batches' steps and no
         earlier one's."""
-        if self.started is not None:
-            now = time.perf_counter()
-            self.marks.append(now)
-            if self.returned is not None:
-                self.step_s += now - self.returned
+        if self.started is not None and self.returned is not None:  # the loop's step on the batch it got
+            self.step_s += time.perf_counter() - self.returned
+            self.returned = None  # at an epoch's end the loop asks again without a batch in between
         if self.taken == self.ahead + self.warmup + self.iters:
             _drain_gpu()
             if self.phase == "rates":
@@ -337,6 +335,15 @@ class _Window:
             self.timers_before = _timers(self.loader) if self.phase == "run" else None
             self.cpu_started = time.process_time()  # the training process's, all its threads
             self.marks, self.step_s = [self.started], 0.0
+
+    def delivered(self, timed: bool) -> None:
+        """A batch went to the loop (``timed``: through coordl's iterator, so the time until the loop asks for
+        the next is its step; a batch torch draws from the batch sampler only marks the clock)."""
+        if self.started is not None:
+            now = time.perf_counter()
+            self.marks.append(now)
+            if timed:
+                self.returned = now
 
     def _lengthen(self) -> None:
         """Q's window, each time its ``iters`` are in: shorter than :data:`PREP_MIN_S` (as P's is not), it goes
@@ -378,6 +385,7 @@ class _Window:
             hits, peer_hits, fetched = (now - before for now, before in zip(_hits(self.loader), self.hits_before))
             out["hit_fraction"], out["peer_hit_fraction"] = hits / max(1, fetched), peer_hits / max(1, fetched)
             out["step_samples_per_s"] = samples / self.step_s if self.step_s > 0 else None
+            out["step_on_gpu"] = torch.cuda.is_initialized()  # then the step's clock sees its launch, not its work
             out["waits_s"] = {k: (now - before) / samples for (k, now), before
                               in zip(_timers(self.loader).items(), self.timers_before.values())}
         if self.phase == "rates":  # the loop on prepared batches
@@ -387,8 +395,8 @@ class _Window:
 
 
 def window_parts(marks: list[float], batch_size: int, parts: int = SPREAD_PARTS) -> list[float] | None:
-    """Samples/s over each of ``parts`` nearly equal runs of batches between the clock ``marks`` (one per
-    batch the loop asks for, the window's start first); None with fewer batches than parts."""
+    """Samples/s over each of ``parts`` nearly equal runs of batches between the clock ``marks`` (the
+    window's start, then one per batch delivered); None with fewer batches than parts."""
     batches = len(marks) - 1
     if batches < parts:
         return None
@@ -445,7 +453,7 @@ class _Timed:
                 w.first = batch = _stop_loading(w.loader, self._iterator, batch)
                 w.handover = _handover(w.loader, batch)
         w.taken += 1
-        w.returned = time.perf_counter()
+        w.delivered(timed=True)
         return batch
 
 
@@ -463,6 +471,7 @@ class _Drawn:
         self._window.count()
         batch = next(self._batches)
         self._window.taken += 1
+        self._window.delivered(timed=False)
         return batch
 
 

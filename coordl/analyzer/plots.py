@@ -3,6 +3,7 @@
 import os
 
 from coordl.analyzer.model import Pipeline
+from coordl.analyzer.report import stall_split
 
 STORAGE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 MOST_JOBS = MOST_SERVERS = 8
@@ -42,9 +43,11 @@ def cache_curves(pipeline: Pipeline) -> dict:
             "top": 1.25 * max(max(predicted), max(w), p.contention * p.G)}
 
 
-def draw(pipeline: Pipeline, measured: float | None, out_dir: str) -> list[str]:
+def draw(pipeline: Pipeline, measured: float | None, out_dir: str,
+         measured_hits: tuple[float, float | None] | None = None) -> list[str]:
     """``rates.png`` (G, P, S, C, F, predicted and measured; the model's stall split of an epoch, and what a
-    measured run took beyond it, marked as not explained), ``cache.png`` (:func:`cache_curves`) and ``whatif.png`` (the prediction
+    measured run took beyond the prediction at the hits it saw, ``measured_hits``, marked as not explained),
+    ``cache.png`` (:func:`cache_curves`) and ``whatif.png`` (the prediction
     against workers, storage speed, jobs sharing the server and servers: :func:`whatif_curves`) in
     ``out_dir``; the paths written, none without matplotlib."""
     try:
@@ -62,7 +65,7 @@ def draw(pipeline: Pipeline, measured: float | None, out_dir: str) -> list[str]:
     rates.set_yscale("log")
     rates.set_ylabel("samples/s")
     rates.set_title(f"rates (bottleneck: {p.bottleneck})")
-    stall = p.stalls(measured)
+    stall = stall_split(p, measured, measured_hits)
     bottom = 0.0
     for key, label, color in (("ideal_s", "training", "C0"), ("prep_s", "prep stall", "C1"),
                               ("fetch_s", "fetch stall", "C2"), ("unexplained_s", "not explained (measured)", "0.7")):

@@ -9,8 +9,10 @@ from coordl.analyzer.model import BOTTLENECKS, Pipeline, answers
 FORMAT = "coordl-analysis/1"
 
 
-def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
-    """The analysis of ``pipeline`` (and, if given, the throughput measured with it) as ``analysis.json``."""
+def to_json(pipeline: Pipeline, measured: float | None = None,
+            measured_hits: tuple[float, float | None] | None = None) -> dict:
+    """The analysis of ``pipeline`` (and, if given, the throughput measured with it, at ``measured_hits``:
+    see :func:`describe`) as ``analysis.json``."""
     p = pipeline
     dataset_bytes = p.samples * p.sample_bytes
     return {"format": FORMAT,
@@ -29,14 +31,26 @@ def to_json(pipeline: Pipeline, measured: float | None = None) -> dict:
             "measured_samples_per_s": measured,
             "job_predicted_samples_per_s": p.servers * p.ranks * p.predicted,
             "bottleneck": p.bottleneck,
-            "stall": p.stalls(measured),
+            "stall": stall_split(p, measured, measured_hits),
             "whatif": answers(p)}
 
 
-def save(path: str, pipeline: Pipeline, measured: float | None = None, extra: dict | None = None) -> None:
+def save(path: str, pipeline: Pipeline, measured: float | None = None, extra: dict | None = None,
+         measured_hits: tuple[float, float | None] | None = None) -> None:
     """Write the analysis (:func:`to_json`, plus ``extra`` fields) to ``path``."""
     with open(path, "w") as f:
-        json.dump({**to_json(pipeline, measured), **(extra or {})}, f, indent=1)
+        json.dump({**to_json(pipeline, measured, measured_hits), **(extra or {})}, f, indent=1)
+
+
+def stall_split(pipeline: Pipeline, measured: float | None = None,
+                measured_hits: tuple[float, float | None] | None = None) -> dict:
+    """The model's split of an epoch (``Pipeline.stalls``), and with a measured rate what the run took
+    beyond the prediction at the hits it saw (``unexplained_s``; default: the pipeline's cache fraction)."""
+    split = pipeline.stalls()
+    if measured is not None:
+        expected = pipeline if measured_hits is None else at_hits(pipeline, *measured_hits)
+        split["unexplained_s"] = expected.stalls(measured)["unexplained_s"]
+    return split
 
 
 def load(path: str) -> tuple[Pipeline, float | None]:
@@ -96,7 +110,7 @@ def measured_stall(pipeline: Pipeline, run: dict) -> dict | None:
         return None
     samples = pipeline.samples / (pipeline.servers * pipeline.ranks)
     stall_s, fetching, preparing = waits["stall"] * samples, waits["storage"] + waits["peers"], waits["prep"]
-    if pipeline.fetch_threads or fetching + preparing <= 0:
+    if pipeline.fetch_threads or pipeline.coordinated or fetching + preparing <= 0:  # DALI, or staging waits too
         return {"stall_s": stall_s, "fetch_s": None, "prep_s": None}
     share = fetching / (fetching + preparing)
     return {"stall_s": stall_s, "fetch_s": stall_s * share, "prep_s": stall_s * (1 - share)}
@@ -142,24 +156,30 @@ def describe(pipeline: Pipeline, measured: float | None = None,
         low, high = trust["range"]
         lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}  (between {low:.1f} and {high:.1f}: "
                      f"{'; '.join(trust['why'])})")
+    elif trust and trust["why"]:
+        lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}  ({'; '.join(trust['why'])}; the "
+                     "prediction does not change within what was seen)")
     else:
         lines.append(f"  predicted       {_rate(p.predicted, p.sample_bytes)}")
     if measured is not None:
         hits, peer_hits = (p.cache_fraction, None) if measured_hits is None else measured_hits
         expected = at_hits(p, hits, peer_hits).predicted
         from_peers = "" if peer_hits is None else f" and {peer_hits:.0%} from the peers"
+        withheld = ", withheld" if trust and trust["withheld"] else ""
         lines.append(f"  measured        {_rate(measured, p.sample_bytes)}  (with {hits:.0%} cache hits{from_peers}; "
-                     f"predicted {expected:.1f}, {(expected - measured) / measured:+.1%})")
+                     f"predicted {expected:.1f}{withheld}, {(expected - measured) / measured:+.1%})")
     cores_bound = p.bottleneck == "prep" and p.workers and p.worker_rate >= p.cpu_rate
     lines.append(f"bottleneck: {BOTTLENECKS[p.bottleneck]}" + (
         f": the {p.cores} cores, which the training process shares with prep, so more workers do not help"
         if cores_bound else ""))
-    stall = p.stalls(measured)
+    stall = stall_split(p, measured, measured_hits)
+    epoch_s = stall["ideal_s"] + stall["prep_s"] + stall["fetch_s"]
     lines.append(f"per epoch, as modelled: {stall['ideal_s']:.1f} s training, {stall['prep_s']:.1f} s prep stall, "
-                 f"{stall['fetch_s']:.1f} s fetch stall" + (
-                     f"; the run took {stall['unexplained_s']:+.1f} s more than that, which the model does not "
-                     "explain" if stall.get("unexplained_s") is not None and abs(stall["unexplained_s"]) >= 0.05 *
-                     (stall["ideal_s"] + stall["prep_s"] + stall["fetch_s"]) else ""))
+                 f"{stall['fetch_s']:.1f} s fetch stall")
+    off = stall.get("unexplained_s")
+    if off is not None and abs(off) >= 0.05 * epoch_s:
+        lines.append(f"  the run took {abs(off):.1f} s {'more' if off > 0 else 'less'} an epoch than predicted at the "
+                     "hits it saw, which the model does not explain")
     waited = measured_stall(p, run) if run is not None else None
     if waited is not None:
         split = "" if waited["fetch_s"] is None else (

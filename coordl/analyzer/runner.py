@@ -164,6 +164,10 @@ def _combine(ranks: list[dict]) -> dict:
         values = [r[key] for r in ranks if r.get(key) is not None]
         if key in out:
             out[key] = max(values) if values else None
+    if out.get("spread") is not None:  # the parts of the rank that ran least steadily
+        out["parts_samples_per_s"] = max(ranks, key=lambda r: r.get("spread") or 0)["parts_samples_per_s"]
+    if out.get("waits_s") is not None:
+        out["waits_s"] = {k: sum(r["waits_s"][k] for r in ranks) / len(ranks) for k in out["waits_s"]}
     for key in ("hit_fraction", "peer_hit_fraction"):
         if key in out:
             out[key] = sum(r[key] for r in ranks) / len(ranks)
@@ -230,10 +234,12 @@ def trust_of(pipeline: Pipeline, results: dict) -> dict:
     """How far the prediction can be trusted, from how steady the rates ran: each timed window's spread
     (its parts' fastest rate over the slowest) and how far the training step's rate moved between the
     ingestion phase and the run (where it shares the cores with prep, so from G·contention to G is as
-    measured). ``why``: a sentence per unsteady rate; ``range``: the predictions with G
-    at the least and the most it was seen at (None when steady); ``withheld``: past :data:`UNTRUSTED`."""
-    g = results["ingestion"]["samples_per_s"]
-    seen = [g]
+    measured; a step on a GPU is timed by its launch, so only a slower one counts). ``why``: a sentence per
+    unsteady rate; ``range``: the least and the most prediction with G at the least and most it was seen at
+    and the contention as far off as Q's spread (None when neither moved); ``withheld``: past
+    :data:`UNTRUSTED`."""
+    g, c = results["ingestion"]["samples_per_s"], pipeline.contention
+    seen_g, seen_c = [g], [c]
     why, worst = [], 1.0
     for phase, key, what in (("ingestion", "spread", "G (the training step alone)"),
                              ("rates", "Q_spread", "Q (the loop on prepared batches)"),
@@ -243,19 +249,23 @@ def trust_of(pipeline: Pipeline, results: dict) -> dict:
             worst = max(worst, spread)
             why.append(f"{what} varied {spread:.1f}x within its window: the machine was busy")
             if phase == "ingestion":
-                seen += results[phase]["parts_samples_per_s"]
-    step = results["run"].get("step_samples_per_s")
-    if step is not None:  # in the run the step shares the cores with prep: at G·contention to G, as measured
-        moved = step / g if step > g else g * pipeline.contention / step if step < g * pipeline.contention else 1.0
+                seen_g += results[phase]["parts_samples_per_s"]
+            elif phase == "rates":
+                seen_c += [c / spread, min(1.0, c * spread)]
+    run = results["run"]
+    step = run.get("step_samples_per_s")
+    if step is not None:
+        moved = 1.0 if step > g and run.get("step_on_gpu") else step / g if step > g else \
+            g * c / step if step < g * c else 1.0
         if moved > UNSTEADY:
             worst = max(worst, moved)
             why.append(f"G varied {moved:.1f}x between phases: the training step ran at {g:.0f} samples/s alone "
                        f"and at {step:.0f} in the run: the machine was busy")
-            seen.append(step)
-    if not why:
-        return {"why": [], "range": None, "withheld": False}
-    predictions = [dataclasses.replace(pipeline, G=rate).predicted for rate in (min(seen), max(seen))]
-    return {"why": why, "range": [min(predictions), max(predictions)], "withheld": worst > UNTRUSTED}
+            seen_g.append(step)
+    predictions = [dataclasses.replace(pipeline, G=rate, contention=share).predicted
+                   for rate in (min(seen_g), max(seen_g)) for share in (min(seen_c), max(seen_c))]
+    low, high = min(predictions), max(predictions)
+    return {"why": why, "range": [low, high] if high > low * (1 + 1e-9) else None, "withheld": worst > UNTRUSTED}
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -284,15 +294,16 @@ def main(args) -> int:
     run = measured["results"]["run"]
     path = os.path.join(args.out, "analysis.json")
     hits = (run["hit_fraction"], run["peer_hit_fraction"] if pipeline.servers > 1 else None)
-    report.save(path, pipeline, run["samples_per_s"], extra={
+    report.save(path, pipeline, run["samples_per_s"], measured_hits=hits, extra={
         "measured_hit_fraction": hits[0], "measured_peer_hit_fraction": hits[1],
         "predicted_at_measured_hits": report.at_hits(pipeline, *hits).predicted,
         "flags": measured["flags"], "trust": measured["trust"], "measured_stall": report.measured_stall(pipeline, run),
         "phases": measured["results"]})
     print(report.describe(pipeline, run["samples_per_s"], hits, trust=measured["trust"], run=run))
     for flag in measured["flags"]:
-        print(f"note: {flag}")
-    written = plots.draw(pipeline, run["samples_per_s"], args.out)
+        if flag not in measured["trust"]["why"]:  # those are on the prediction's line
+            print(f"note: {flag}")
+    written = plots.draw(pipeline, run["samples_per_s"], args.out, measured_hits=hits)
     print(f"wrote {path}" + "".join(f", {p}" for p in written) +
           ("" if written else " (no plots: matplotlib is not installed; pip install 'coordl[bench]')"))
     return 0

@@ -62,7 +62,8 @@ def test_each_phase_is_measured_and_the_report_written(image_root, tmp_path, mon
     assert doc["cpu_samples_per_s"] == pytest.approx(doc["config"]["cores"] / (cpu["step"] + cpu["prep"]))
     assert "bottleneck:" in proc.stdout and "what if:" in proc.stdout and "[3/3]" in proc.stdout
     waited = doc["measured_stall"]  # the loop's waits in the run, split by the worker's own timers
-    assert waited["stall_s"] >= 0 and waited["fetch_s"] + waited["prep_s"] == pytest.approx(waited["stall_s"])
+    assert 0 <= waited["stall_s"] <= doc["dataset"]["samples"] / doc["measured_samples_per_s"]  # within an epoch
+    assert waited["fetch_s"] >= 0 and waited["prep_s"] >= 0
     assert "per epoch, as measured: the loop waited" in proc.stdout
     assert set(doc["trust"]) == {"why", "range", "withheld"} and doc["phases"]["run"]["step_samples_per_s"] > 0
     for phase in ("ingestion", "rates", "run"):

@@ -262,6 +262,16 @@ def test_whatif_answers_again_from_the_file_with_the_changes_given(tmp_path, cap
     assert "none.json" in capsys.readouterr().err
 
 
+def test_whatif_says_when_the_analysis_withheld_its_prediction(tmp_path, capsys):
+    path = str(tmp_path / "analysis.json")
+    analyzer.save(path, Pipeline(**BASE), extra={"trust": {"why": ["G varied 11.3x between phases"], "range": None,
+                                                           "withheld": True}})
+    assert cli.main(["whatif", path, "--workers", "6"]) == 0
+    assert "note: the analysis's prediction was withheld: G varied 11.3x between phases" in capsys.readouterr().out
+    analyzer.save(path, Pipeline(**BASE))
+    assert cli.main(["whatif", path, "--workers", "6"]) == 0 and "note:" not in capsys.readouterr().out
+
+
 def test_whatif_takes_a_cache_as_a_share_of_the_memory_available(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sizes, "available_memory_bytes", lambda: 1600 * 2**20)
     p = Pipeline(**BASE)

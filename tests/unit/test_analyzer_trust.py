@@ -50,3 +50,33 @@ def test_g_moving_14x_between_phases_withholds_the_prediction_and_says_why():
         "machine was busy"]  # 3689 x 0.8 (the contention) / 262
     text = report.describe(p, 262.0, trust=trust)
     assert "withheld: G varied 11.3x between phases" in text and "quieter machine" in text
+
+
+def test_an_unsteady_q_widens_the_prediction_through_the_contention_and_a_steady_g_alone_gives_no_range():
+    p = Pipeline(**{**BASE, "P": 5000.0, "cache_fraction": 1.0})  # the step bounds it: c·G
+    trust = trust_of(p, _results(q_spread=2.0))
+    low, high = trust["range"]
+    assert low == pytest.approx(p.predicted / 2.0) and high == pytest.approx(min(1.0, 0.8 * 2.0) / 0.8 * p.predicted)
+    only_run = trust_of(p, _results(run_spread=2.0))  # the run was unsteady: the comparison is doubtful, not G
+    assert only_run["range"] is None and "the run's samples/s varied 2.0x" in only_run["why"][0]
+    assert "the run's samples/s varied 2.0x within its window" in report.describe(p, 500.0, trust=only_run)
+
+
+def test_a_step_on_a_gpu_timed_faster_than_g_is_its_launch_not_a_move():
+    p = Pipeline(**BASE)
+    results = _results(step=5000.0)
+    assert trust_of(p, results)["why"] != []
+    results["run"]["step_on_gpu"] = True
+    assert trust_of(p, results)["why"] == []
+    results["run"]["step"] = results["run"]["step_samples_per_s"] = 100.0  # slower than G·c still counts
+    assert trust_of(p, results)["why"] != []
+
+
+def test_what_a_run_took_beyond_the_prediction_is_against_the_prediction_at_the_hits_it_saw():
+    p = Pipeline(**BASE)  # 90% cached
+    cold = report.at_hits(p, 0.0)
+    split = report.stall_split(p, cold.predicted, measured_hits=(0.0, None))  # a run that saw no hits, as predicted
+    assert split["unexplained_s"] == pytest.approx(0.0, abs=1e-9)
+    assert report.stall_split(p, cold.predicted)["unexplained_s"] > 0  # against the 90% prediction: far off
+    text = report.describe(p, cold.predicted * 0.5, (0.0, None))
+    assert "s more an epoch than predicted at the hits it saw" in text and "+" not in text.split("more an")[0][-8:]

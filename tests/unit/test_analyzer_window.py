@@ -278,12 +278,41 @@ def test_a_window_says_how_steady_it_ran_from_its_parts(monkeypatch, tmp_path):
     with pytest.raises(SystemExit):
         while True:
             window.count()
+            gpu.clock.now += next(steps)  # waiting for the batch
             window.taken += 1
-            gpu.clock.now += next(steps)
+            window.delivered(timed=False)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["parts_samples_per_s"] == pytest.approx([40.0, 40.0, 40.0, 4.0])  # 2 batches each
     assert result["spread"] == pytest.approx(10.0)
     assert phases.window_parts([0.0, 1.0, 2.0], batch_size=4) is None  # fewer batches than parts
+
+
+def test_an_epochs_end_inside_the_runs_window_adds_no_step_and_no_mark(monkeypatch, tmp_path):
+    clock = _Clock()
+    loader = types.SimpleNamespace(epoch_ledger=object(), batch_size=4, num_workers=0, prefetch_factor=None,
+                                   stats=lambda: types.SimpleNamespace(total=types.SimpleNamespace(
+                                       hits=0, peer_hits=0, misses=0, stall_s=0.0, storage_wait_s=0.0,
+                                       peer_wait_s=0.0, prep_s=0.0)))
+    monkeypatch.setattr(phases, "time", clock)
+    monkeypatch.setattr(phases.torch.cuda, "is_initialized", lambda: False)
+    for name, value in ((phases.WARMUP_ENV, "1"), (phases.ITERS_ENV, "8"), (phases.RESULT_ENV,
+                                                                            str(tmp_path / "result.json"))):
+        monkeypatch.setenv(name, value)
+    window = phases._Window(loader, "run")
+
+    def epoch():  # 3 batches, each after 0.1 s of loading
+        for _ in range(3):
+            clock.now += 0.1
+            yield [0, 1, 2, 3]
+
+    with pytest.raises(SystemExit):
+        while True:  # the script's epochs: 0.2 s steps, then 1 s of its own between epochs
+            for _ in phases._Timed(window, epoch()):
+                clock.now += 0.2
+            clock.now += 1.0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["step_samples_per_s"] == pytest.approx(4 / 0.2)  # each step counted once, the gaps not at all
+    assert len(window.marks) == 8 + 1
 
 
 def test_the_runs_window_times_the_step_apart_from_the_loaders_waits(monkeypatch, tmp_path):

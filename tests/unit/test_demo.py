@@ -36,5 +36,7 @@ def test_the_picked_disk_takes_longer_to_read_an_epochs_misses_than_prep_takes_t
 
 
 def test_an_epoch_near_its_disk_time_floor_was_bound_by_storage():
-    assert bound_by({"disk_s": 9.0, "time_s": 10.0}) == "storage"
-    assert bound_by({"disk_s": 3.0, "time_s": 10.0}) == "prep"
+    assert bound_by({"disk_s": 9.0, "time_s": 10.0}, workers=2) == "storage"
+    assert bound_by({"disk_s": 3.0, "time_s": 10.0}, workers=2) == "prep"
+    assert bound_by({"disk_s": 6.0, "time_s": 10.0}, workers=0) == "storage"  # reads and prep in turn
+    assert bound_by({"disk_s": 6.0, "time_s": 10.0}, workers=2) == "prep"
