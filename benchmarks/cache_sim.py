@@ -119,7 +119,7 @@ def main(argv=None) -> int:
 
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "cache_sim.json"), "w") as f:
-            json.dump({"items": args.items, "runs": rows}, f, indent=2)
+            json.dump({"items": args.items, "runs": rows, "provenance": report.provenance()}, f, indent=2)
         written = report.plot_cache_sim(rows, os.path.join(args.out, "cache_sim.png"))
         print(f"wrote {args.out}/cache_sim.json" + (" and cache_sim.png" if written else " (plots skipped: no matplotlib)"))
     return 0

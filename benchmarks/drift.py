@@ -3,7 +3,8 @@
 Every run records, in its provenance, a digest of each source file it could measure (the package, the
 shared harness, the benchmarks): the file's code with comments and docstrings left out, so that editing
 prose drifts nothing. A claim (a results folder the docs quote) has drifted when a file under the paths
-it measures has another digest now, or is new or gone. ``python -m benchmarks.drift`` lists every claim
+it measures has another digest now, or is gone. A file that is new since the run does not drift it: the run
+could not have used it, and code that uses it now changed to do so. ``python -m benchmarks.drift`` lists every claim
 and what changed under it; ``tests/unit/test_benchmark_claims.py`` fails when the docs call a drifted
 figure current.
 """
@@ -61,8 +62,9 @@ CLAIMS = (
 
 
 def code_digest(path: str) -> str:
-    """A digest of a file's code: Python without its comments and docstrings (its syntax tree), other
-    files as they are."""
+    """A digest of a file's code: Python as its syntax tree without comments and without string statements
+    (docstrings, and the strings that document a constant after it), written out the same way on every
+    Python version (:func:`_canonical`); other files as they are."""
     with open(path, "rb") as f:
         data = f.read()
     if path.endswith(".py"):
@@ -71,13 +73,29 @@ def code_digest(path: str) -> str:
         except SyntaxError:
             pass
         else:
-            for node in ast.walk(tree):
-                body = getattr(node, "body", None)
-                if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
-                        isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-                    node.body = body[1:] or [ast.Pass()]
-            data = ast.dump(tree, include_attributes=False).encode()
+            data = _canonical(tree).encode()
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _is_prose(node) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _canonical(node) -> str:
+    """``node`` as text: its type and each field that is set, so that fields a later Python adds empty
+    (``type_params``) or leaves out change nothing; string statements dropped from every block."""
+    if isinstance(node, ast.AST):
+        fields = []
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, list) and name in ("body", "orelse", "finalbody"):
+                value = [v for v in value if not _is_prose(v)]
+            if value is None or value == []:
+                continue
+            fields.append(f"{name}={_canonical(value)}")
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(v) for v in node) + "]"
+    return repr(node)
 
 
 def source_digests(root: str = ROOT) -> dict[str, str]:
@@ -99,36 +117,47 @@ def _under(path: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def changed(recorded: dict[str, str], current: dict[str, str], prefixes: tuple[str, ...]) -> list[str]:
-    """The files under ``prefixes`` whose digest differs between ``recorded`` and ``current``, or that
-    only one of them has."""
-    return sorted(p for p in set(recorded) | set(current)
-                  if _under(p, prefixes) and recorded.get(p) != current.get(p))
+    """The files under ``prefixes`` that ``recorded`` has and whose digest differs in ``current`` (or that are
+    gone from it)."""
+    return sorted(p for p in recorded if _under(p, prefixes) and recorded[p] != current.get(p))
 
 
 def recorded_provenances(folder: str) -> list[dict | None]:
-    """The provenance of each run in ``folder`` and its subfolders (a ``setup.json`` or ``results.json``
-    each), None for a run that recorded none."""
+    """The provenance of each run in ``folder`` and its subfolders (in its ``setup.json``, else its
+    ``results.json`` or ``cache_sim.json``), None for a run that recorded none."""
     found = []
     for where, dirs, files in os.walk(folder):
         dirs.sort()
-        for name in ("setup.json", "results.json"):
-            if name in files:
+        names = [n for n in ("setup.json", "results.json", "cache_sim.json") if n in files]
+        if names:
+            provenance = None
+            for name in names:
                 with open(os.path.join(where, name)) as f:
-                    found.append(_find_provenance(json.load(f)))
-                dirs[:] = []  # a run's own subfolders (sweep's bandwidths) are the run's
-                break
+                    provenance = _find_provenance(json.load(f))
+                if provenance is not None:
+                    break
+            found.append(provenance)
+            dirs[:] = []  # a run's own subfolders (sweep's bandwidths) are the run's
     return found
 
 
 def _find_provenance(doc):
-    if isinstance(doc, dict):
-        if "git_sha" in doc:
-            return doc
-        for value in doc.values():
-            found = _find_provenance(value)
-            if found is not None:
-                return found
-    return None
+    """The dict that records a run's commit: the one under a ``provenance`` key, else the first holding a
+    ``git_sha`` (a dict with ``sources`` before one without), searching dicts and lists."""
+    candidates = []
+
+    def walk(value, key=None):
+        if isinstance(value, dict):
+            if "git_sha" in value:
+                candidates.append((key != "provenance", "sources" not in value, len(candidates), value))
+            for k, v in value.items():
+                walk(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(doc)
+    return min(candidates, key=lambda c: c[:3])[3] if candidates else None
 
 
 def drift(claim: Claim, current: dict[str, str], root: str = ROOT) -> list[str] | None:
@@ -146,13 +175,13 @@ def main(argv=None) -> int:
     current, drifted = source_digests(), 0
     for claim in CLAIMS:
         files = drift(claim, current)
-        shas = {(run or {}).get("git_sha") or "?" for run in recorded_provenances(os.path.join(ROOT, claim.folder))}
-        sha = ", ".join(sorted(s[:7] for s in shas)) or "no runs"
+        runs = recorded_provenances(os.path.join(ROOT, claim.folder))
+        sha = ", ".join(sorted({((run or {}).get("git_sha") or "?")[:7] for run in runs})) or "no runs"
         if files == []:
             print(f"current  {claim.folder} ({sha})")
             continue
         drifted += 1
-        why = "a run without digests" if files is None else \
+        why = "no runs" if not runs else "a run without digests" if files is None else \
             f"{len(files)} file(s) changed: {', '.join(files[:4])}{' …' if len(files) > 4 else ''}"
         print(f"DRIFTED  {claim.folder} ({sha}): {why}; rerun {claim.folder}/run.sh")
     print(f"{len(CLAIMS) - drifted} of {len(CLAIMS)} claims current")
