@@ -96,7 +96,7 @@ def test_ls_says_what_each_cache_holds(image_root):
     with coordl.DataLoader(dataset, cache_bytes=10_000), coordl.DataLoader(half, cache_bytes=10_000), \
             coordl.DataLoader(dataset, cache_bytes=10_000, cache_name="mine"):
         out = _coordl("cache", "ls").stdout
-    labels = sorted(line.split("  ")[-1] for line in out.splitlines()[1:])
+    labels = sorted(line.split("  ")[-1] for line in out.splitlines() if line.startswith("cdl_"))  # a row a cache
     assert labels == [f"ImageFolder of 96 files in {image_root}", f"Subset of 48 files in {image_root}",
                       f"mine: ImageFolder of 96 files in {image_root}"]
     assert f"{getpass.getuser()}:" not in out

@@ -287,18 +287,27 @@ def test_a_window_says_how_steady_it_ran_from_its_parts(monkeypatch, tmp_path):
     assert phases.window_parts([0.0, 1.0, 2.0], batch_size=4) is None  # fewer batches than parts
 
 
-def test_an_epochs_end_inside_the_runs_window_adds_no_step_and_no_mark(monkeypatch, tmp_path):
-    clock = _Clock()
+def _run_window(monkeypatch, tmp_path, clock, totals, iters: int) -> "phases._Window":
+    """A run phase's window of ``iters`` batches after one, on ``clock``, over a loader whose statistics'
+    total is ``totals``."""
     loader = types.SimpleNamespace(epoch_ledger=object(), batch_size=4, num_workers=0, prefetch_factor=None,
-                                   stats=lambda: types.SimpleNamespace(total=types.SimpleNamespace(
-                                       hits=0, peer_hits=0, misses=0, stall_s=0.0, storage_wait_s=0.0,
-                                       peer_wait_s=0.0, prep_s=0.0)))
+                                   stats=lambda: types.SimpleNamespace(total=totals))
     monkeypatch.setattr(phases, "time", clock)
     monkeypatch.setattr(phases.torch.cuda, "is_initialized", lambda: False)
-    for name, value in ((phases.WARMUP_ENV, "1"), (phases.ITERS_ENV, "8"), (phases.RESULT_ENV,
-                                                                            str(tmp_path / "result.json"))):
+    for name, value in ((phases.WARMUP_ENV, "1"), (phases.ITERS_ENV, str(iters)),
+                        (phases.RESULT_ENV, str(tmp_path / "result.json"))):
         monkeypatch.setenv(name, value)
-    window = phases._Window(loader, "run")
+    return phases._Window(loader, "run")
+
+
+def _totals():
+    return types.SimpleNamespace(hits=0, peer_hits=0, misses=0, stall_s=0.0, storage_wait_s=0.0, peer_wait_s=0.0,
+                                 prep_s=0.0)
+
+
+def test_an_epochs_end_inside_the_runs_window_adds_no_step_and_no_mark(monkeypatch, tmp_path):
+    clock = _Clock()
+    window = _run_window(monkeypatch, tmp_path, clock, _totals(), iters=8)
 
     def epoch():  # 3 batches, each after 0.1 s of loading
         for _ in range(3):
@@ -316,17 +325,8 @@ def test_an_epochs_end_inside_the_runs_window_adds_no_step_and_no_mark(monkeypat
 
 
 def test_the_runs_window_times_the_step_apart_from_the_loaders_waits(monkeypatch, tmp_path):
-    clock = _Clock()
-    totals = types.SimpleNamespace(hits=0, peer_hits=0, misses=0, stall_s=0.0, storage_wait_s=0.0, peer_wait_s=0.0,
-                                   prep_s=0.0)
-    loader = types.SimpleNamespace(epoch_ledger=object(), batch_size=4, num_workers=0, prefetch_factor=None,
-                                   stats=lambda: types.SimpleNamespace(total=totals))
-    monkeypatch.setattr(phases, "time", clock)
-    monkeypatch.setattr(phases.torch.cuda, "is_initialized", lambda: False)
-    for name, value in ((phases.WARMUP_ENV, "1"), (phases.ITERS_ENV, "4"), (phases.RESULT_ENV,
-                                                                            str(tmp_path / "result.json"))):
-        monkeypatch.setenv(name, value)
-    window = phases._Window(loader, "run")
+    clock, totals = _Clock(), _totals()
+    window = _run_window(monkeypatch, tmp_path, clock, totals, iters=4)
 
     def batches():
         while True:  # the loop waits 0.3 s for each, while the workers read for 0.2 s and prepare for 0.6 s
