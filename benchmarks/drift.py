@@ -57,6 +57,7 @@ CLAIMS = (
     Claim("results/locality-sim", ("benchmarks/locality.py", "coordl/_peer/locality.py")),
     Claim("results/analyzer", ANALYZER),
     Claim("results/knees", ANALYZER + ("benchmarks/knees.py",)),
+    Claim("results/analyzer-heldout", ANALYZER + ("benchmarks/heldout.py",)),
     Claim("results/torch-suite", (*DATA_PATH, "tools/torch_dataloader_suite.py")),
 )
 
