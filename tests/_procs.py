@@ -407,6 +407,7 @@ def agree_peer_secret(rank: int, world: int, store_port: int, out: str):
     topology = partitioned.Topology(rank=rank, world=world, local_rank=0, local_world=1, node=rank, nodes=world,
                                     master_addr="127.0.0.1", master_port=store_port, run="secret")
     secret = partitioned.job_secret(topology)
+    dist.barrier()  # torch 2.6's gloo may hang destroying a group while the other rank still uses it
     dist.destroy_process_group()
     with open(out, "w") as f:
         f.write(secret.hex())

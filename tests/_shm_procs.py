@@ -147,5 +147,26 @@ def attach_other_dataset(cache_name: str, done) -> None:
     cache.close()
 
 
+def put_pausing_around_the_copy(cache_name: str, n_items: int, at_copy, go_copy, copied, go_publish) -> None:
+    """Put items ``0..n_items-1`` (``item_payload(i, 64)``, stamp ``(i, i, 64)``); the last one's insert stops
+    before its bytes are copied (sets ``at_copy``, waits for ``go_copy``) and after (``copied``,
+    ``go_publish``)."""
+    cache = _cache(cache_name, n_items)
+    for i in range(n_items - 1):
+        cache.put(i, item_payload(i, 64), (i, i, 64))
+    write = cache._write
+
+    def write_paused(*args) -> None:
+        at_copy.set()
+        assert go_copy.wait(JOIN_TIMEOUT), "the test never let the copy start"
+        write(*args)
+        copied.set()
+        assert go_publish.wait(JOIN_TIMEOUT), "the test never let the item be published"
+
+    cache._write = write_paused
+    last = n_items - 1
+    assert cache.put(last, item_payload(last, 64), (last, last, 64))
+    cache.close()
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

@@ -426,11 +426,15 @@ class MinIOCache:
             if offset is None:
                 return False
             views.status[index] = -(self._slot + 1)
-        start = views.data_at + offset
-        self._segment.buf[start:start + size] = data
-        views.stamps[index] = stamp[:_STAMP_FIELDS] if stamp else (0,) * _STAMP_FIELDS
-        views.status[index] = _READY
+        self._write(views, index, offset, data, stamp)
+        views.status[index] = _READY  # the publish: only now may a reader see the item
         return True
+
+    def _write(self, views: _Views, index: int, offset: int, data: bytes, stamp) -> None:
+        """Copy item ``index``'s bytes to ``offset`` of the data area, then its stamp; unlocked, unpublished."""
+        start = views.data_at + offset
+        self._segment.buf[start:start + len(data)] = data
+        views.stamps[index] = stamp[:_STAMP_FIELDS] if stamp else (0,) * _STAMP_FIELDS
 
     def _reserve(self, views: _Views, index: int, size: int) -> int | None:
         """Where item ``index`` goes, or None if it is taken or does not fit. Hold the mutex."""

@@ -11,7 +11,7 @@ import coordl
 from coordl._cache import minio as minio_cache
 from coordl._cache.minio import MinIOCache, cache_segment_name, list_caches
 from coordl._core.shm import segment_path
-from tests import _procs
+from tests import _procs, _shm_procs
 from tests._signals import FileBarrier, FileEvent, FileQueue
 from tests.conftest import dataset_bytes
 
@@ -64,6 +64,32 @@ def test_workers_fill_one_cache_concurrently_with_every_item_intact(image_root):
     assert loader.stats().epochs[1].hits == len(files) and loader.stats().epochs[1].misses == 0
     assert len(second) == len(files)
 
+
+def test_an_item_is_a_miss_to_other_processes_until_its_bytes_and_stamp_are_written(tmp_path):
+    """The publish order (NOTE [ Concurrency and crashes ]), forced: a writer in another process is held
+    before and after copying its last item; a reader here must see a miss both times, one item at a time and
+    in a batch read, and may not write the item itself; once published it reads the writer's bytes."""
+    name, n_items = _name(), minio_cache.VIEWS_AT_ONCE + 2
+    at_copy, go_copy, copied, go_publish = (FileEvent(tmp_path) for _ in range(4))
+    with MinIOCache(name, n_items=n_items, capacity_bytes=1 << 16, fingerprint=_shm_procs.FINGERPRINT,
+                    label="shm-core test") as cache:
+        writer = _procs.spawn(_shm_procs.put_pausing_around_the_copy, name, n_items, at_copy, go_copy, copied,
+                              go_publish)
+        last, everything = n_items - 1, list(range(n_items))
+        try:
+            for held, release in ((at_copy, go_copy), (copied, go_publish)):
+                assert held.wait(_procs.JOIN_TIMEOUT), "the writer never reached its pause"
+                assert cache.get(last) is None and cache.view(last) is None
+                batch = cache.views(everything)
+                assert batch[last] is None
+                assert [bytes(view) for view, _ in batch[:last]] == [_procs.item_payload(i, 64) for i in range(last)]
+                assert not cache.put(last, b"another writer's bytes")  # being written by a live process
+                release.set()
+        finally:
+            go_copy.set(), go_publish.set()
+            _procs.join_ok(writer)
+        assert cache.get(last) == _procs.item_payload(last, 64) and cache.stamp(last) == (last, last, 64)
+        assert cache.views(everything)[last][1] == (last, last, 64)
 
 @pytest.mark.slow
 def test_concurrent_inserters_each_item_inserted_once(tmp_path):
