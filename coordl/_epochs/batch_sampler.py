@@ -69,6 +69,11 @@ class _PassCheckpoints:
         loading draws each batch as it is consumed)."""
         return self.resume_state()
 
+    def draws_from_global_rng(self) -> bool:
+        """Whether a pass draws from the global torch RNG: torch's base seed without the loader's
+        ``generator``, or a sampler whose ``generator`` is None (torch's ``RandomSampler`` without one)."""
+        return self.generator is None or getattr(self.sampler, "generator", False) is None
+
     def _with_group(self, state: dict) -> dict:
         """``state`` with, in an hp_group, where the group resumes (see ``GroupFeed.checkpoint``)."""
         group = self.epochs.feed.checkpoint() if getattr(self.epochs, "group", None) is not None else None
@@ -78,7 +83,14 @@ class _PassCheckpoints:
 
     def resume_state(self, consumed: int | None = None) -> dict:
         """Where the latest pass is once the training loop has had ``consumed`` of its batches (None: as
-        many as the pass handed torch). A pass not started, run out or wholly consumed is a boundary."""
+        many as the pass handed torch). A pass not started, run out or wholly consumed is a boundary. With
+        the global torch RNG as it is now, where a pass draws from it (NOTE [ Resuming a pass ])."""
+        state = self._position(consumed)
+        if self.draws_from_global_rng():
+            state["global_rng"] = torch.get_rng_state()
+        return state
+
+    def _position(self, consumed: int | None) -> dict:
         current = self.latest
         if self._infinite():
             return resume_state.boundary_state(self.rng_sources().capture(with_global=False))
@@ -100,6 +112,11 @@ class _PassCheckpoints:
         from a boundary, the next epoch, as the saved loader would have."""
         what = type(self).__name__
         state = resume_state.checked(state, what)
+        self._load(state, what)
+        if "global_rng" in state and self.draws_from_global_rng():
+            torch.set_rng_state(state["global_rng"])  # what the next epoch draws from (NOTE [ Resuming a pass ])
+
+    def _load(self, state: dict, what: str) -> None:
         saved = state["pass"]
         self._resume, self._drawn_epochs = None, []
         if getattr(self.epochs, "group", None) is not None and "hp_group" in state:
@@ -189,9 +206,8 @@ class EpochBatchSampler(_PassCheckpoints, torch.utils.data.BatchSampler):
             epochs = [e + (e - before) for e, before in zip(*reversed(self._drawn_epochs))]
         elif epochs:
             epochs = [e + 1 for e in epochs]
-        global_rng = self.generator is None or getattr(sampler, "generator", False) is None
         try:
-            with torch.random.fork_rng(devices=[]) if global_rng else contextlib.nullcontext():
+            with torch.random.fork_rng(devices=[]) if self.draws_from_global_rng() else contextlib.nullcontext():
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # torch's base seed at iter()
                 sources.set_epochs(epochs)
                 return list(itertools.islice(self.plain_batches(), batches))

@@ -16,10 +16,16 @@ run drew it already), so a resumed pass leaves the global RNG as it found it. A 
 pass's first batch or after its last is an epoch boundary: it holds the generators' states then, and
 the next pass starts from them.
 
-Not restored: random state inside worker processes and the training process (an augmentation draws
-afresh for the rest of the interrupted epoch, as with torchdata for datasets without ``state_dict``),
-Python's and numpy's RNGs, and the global torch RNG, which later epochs draw from when the loader has
-no ``generator`` (restore it yourself, as Accelerate's ``load_state`` does, or pass a generator).
+Where a pass draws from the global torch RNG (no ``generator``: torch's base seed, and the seed torch's
+``RandomSampler`` draws for each epoch), the next epoch's order is whatever that RNG holds when it starts,
+as with torch. So a state also holds the global RNG as it was when the state was taken, and
+``load_state_dict`` sets it back: the resumed job's next epochs are the uninterrupted job's, provided its
+training draws what that job drew after the checkpoint (the same steps). A loader with a ``generator``
+leaves the global RNG alone. (torchdata's ``StatefulDataLoader`` gets there by giving its default sampler a
+generator of fixed seed, which changes the order a torch loader draws; coordl's stays torch's.)
+
+Not restored: random state inside worker processes (an augmentation draws afresh for the rest of the
+interrupted epoch, as with torchdata for datasets without ``state_dict``) and Python's and numpy's RNGs.
 """
 
 import torch

@@ -1,10 +1,11 @@
-"""A training job for test_resume, run in its own process: ``python _resume_job.py ROOT OUT MODE WAY K``.
+"""A training job for test_resume, run in its own process: ``python _resume_job.py ROOT OUT MODE WAY K RNG``.
 
 WAY is how the loop runs: ``plain`` (coordl.DataLoader's own state_dict), ``accelerate`` (save_state /
 load_state with use_stateful_dataloader=True) or ``lightning`` (fit, checkpointed every K steps).
 MODE ``full`` runs 2 epochs uninterrupted; ``save`` stops after K batches (checkpoint under OUT);
 ``resume`` loads the checkpoint and runs to the end of epoch 2. Writes OUT/MODE.json: the indices of
-every batch, per epoch, and the cache hits of the loader's epochs.
+every batch, per epoch, and the cache hits of the loader's epochs. RNG is where the order is drawn from:
+``generator`` (the loader's, seeded) or ``global`` (no generator: the global RNG, seeded as the job starts).
 """
 
 import glob
@@ -16,15 +17,16 @@ import torch
 
 import coordl
 
-ROOT, OUT, MODE, WAY, K = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+ROOT, OUT, MODE, WAY, K, RNG = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
 EPOCHS, BATCH = 2, 8
 
 
 def make_loader() -> coordl.DataLoader:
     files = sorted(glob.glob(os.path.join(ROOT, "*", "*.jpg")))
     dataset = coordl.FileDataset(files, targets=list(range(len(files))), decode="bytes")
+    generator = torch.Generator().manual_seed(5) if RNG == "generator" else None
     return coordl.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=2, cache_name="resume-test",
-                             generator=torch.Generator().manual_seed(5))
+                             generator=generator)
 
 
 def report(epochs, loader) -> None:
@@ -103,5 +105,6 @@ def lightning() -> None:
 
 
 if __name__ == "__main__":
+    torch.manual_seed(0)
     {"plain": plain, "accelerate": accelerate, "lightning": lightning}[WAY]()
     sys.exit(0)

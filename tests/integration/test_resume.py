@@ -18,8 +18,8 @@ JOB = os.path.join(REPO, "tests", "integration", "_resume_job.py")
 N_IMAGES, BATCH, K = 96, 8, 4
 
 
-def _run(root, out, mode, way) -> dict:
-    done = subprocess.run([sys.executable, JOB, root, str(out), mode, way, str(K)], capture_output=True, text=True,
+def _run(root, out, mode, way, rng) -> dict:
+    done = subprocess.run([sys.executable, JOB, root, str(out), mode, way, str(K), rng], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": REPO}, timeout=240)
     result = os.path.join(out, f"{mode}.json")
     assert os.path.exists(result), done.stderr[-3000:]
@@ -29,16 +29,19 @@ def _run(root, out, mode, way) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("way", ["plain", "accelerate", "lightning"])
-def test_a_job_resumed_in_a_new_process_sees_the_rest_of_its_epoch_then_the_next(tmp_path, image_root, way):
+@pytest.mark.parametrize("rng", ["generator", "global"])
+def test_a_job_resumed_in_a_new_process_sees_the_rest_of_its_epoch_then_the_next(tmp_path, image_root, way, rng):
+    """With the loader's generator, and without (the next epoch drawn from the global RNG, which the state
+    carries)."""
     files = sorted(glob.glob(os.path.join(image_root, "*", "*.jpg")))
     holder = coordl.DataLoader(coordl.FileDataset(files, targets=list(range(len(files))), decode="bytes"),
                                batch_size=BATCH, cache_name="resume-test")
     try:
         for _ in holder:  # fills the node cache the jobs share, and keeps it while they come and go
             pass
-        full = _run(image_root, tmp_path, "full", way)
-        saved = _run(image_root, tmp_path, "save", way)
-        resumed = _run(image_root, tmp_path, "resume", way)
+        full = _run(image_root, tmp_path, "full", way, rng)
+        saved = _run(image_root, tmp_path, "save", way, rng)
+        resumed = _run(image_root, tmp_path, "resume", way, rng)
     finally:
         holder.close()
     assert saved["epochs"] == [full["epochs"][0][:K]]

@@ -56,24 +56,24 @@ def _uninterrupted(epochs: int, **options) -> list[list]:
 
 
 def _interrupted(k: int, epoch: int = 0, **options):
-    """Run ``epoch`` whole epochs, then ``k`` batches of the next; the batches seen, the loader's state
-    and the global RNG state at that point (what a checkpoint holds)."""
+    """Run ``epoch`` whole epochs, then ``k`` batches of the next; the batches seen and the loader's state
+    at that point (what a checkpoint holds)."""
     torch.manual_seed(0)
     loader = _loader(**options)
     seen = [_epoch(loader) for _ in range(epoch)]
     it = iter(loader)
     seen.append([_plain(next(it)) for _ in range(k)])
-    state, rng = copy.deepcopy(loader.state_dict()), torch.get_rng_state()
+    state = copy.deepcopy(loader.state_dict())
     del it
     loader.close()
-    return seen, state, rng
+    return seen, state
 
 
-def _resumed(state, rng, epochs: int, **options) -> list[list]:
-    torch.manual_seed(123)  # a new process: its own global RNG, until the checkpoint's is restored
+def _resumed(state, epochs: int, **options) -> list[list]:
+    torch.manual_seed(123)  # a new process: its own global RNG
+    torch.rand(5)  # which its model's initialization draws from
     loader = _loader(**options)
     loader.load_state_dict(state)
-    torch.set_rng_state(rng)
     return [_epoch(loader) for _ in range(epochs)]
 
 
@@ -91,10 +91,10 @@ SETTINGS = [
 @pytest.mark.parametrize("k", [1, 4])
 def test_resumed_mid_epoch_yields_the_rest_and_the_following_epochs(options, k):
     full = _uninterrupted(4, **options)
-    seen, state, rng = _interrupted(k, epoch=1, **options)
+    seen, state = _interrupted(k, epoch=1, **options)
     assert state["pass"]["consumed"] == k
     assert seen == [full[0], full[1][:k]]
-    after = _resumed(state, rng, 3, **options)
+    after = _resumed(state, 3, **options)
     assert after == [full[1][k:], full[2], full[3]]
     # every sample exactly once in the interrupted epoch, across the interruption
     assert sorted(i for b in seen[1] + after[0] for i in b) == sorted(i for b in full[1] for i in b)
@@ -107,29 +107,43 @@ def test_a_state_at_an_epoch_boundary_resumes_with_the_next_epoch(options):
     torch.manual_seed(0)
     loader = _loader(**options)
     first = _epoch(loader)
-    state, rng = copy.deepcopy(loader.state_dict()), torch.get_rng_state()
+    state = copy.deepcopy(loader.state_dict())
     assert first == full[0] and state["pass"] is None
-    assert _resumed(state, rng, 2, **options) == full[1:]
+    assert _resumed(state, 2, **options) == full[1:]
     # after the last batch, before the pass has seen the plan run out, is a boundary too
     torch.manual_seed(0)
     loader = _loader(**options)
     it = iter(loader)
     [next(it) for _ in range(len(loader))]
-    state, rng = copy.deepcopy(loader.state_dict()), torch.get_rng_state()
+    state = copy.deepcopy(loader.state_dict())
     assert state["pass"] is None
-    assert _resumed(state, rng, 2, **options) == full[1:]
+    assert _resumed(state, 2, **options) == full[1:]
 
 
-def test_without_a_generator_later_epochs_follow_the_global_rng():
-    """The order of later epochs is drawn from the global RNG, as in torch: the checkpoint's own
-    generator-free state gives the rest of the epoch; later epochs need the global RNG restored."""
-    full = _uninterrupted(2, shuffle=True)
-    _, state, _ = _interrupted(2, shuffle=True)
-    torch.manual_seed(123)
+def test_without_a_generator_the_state_carries_the_global_rng_the_next_epochs_draw_from():
+    """Later epochs' orders are drawn from the global RNG, as in torch: ``load_state_dict`` sets it to where
+    it was at ``state_dict()``, so a job that trains on after resuming draws the uninterrupted job's epochs
+    (and draws what it would have). With a generator the global RNG is the user's alone."""
+    torch.manual_seed(0)
     loader = _loader(shuffle=True)
-    loader.load_state_dict(state)
-    assert _epoch(loader) == full[0][2:]
-    assert _epoch(loader) != full[1]
+    it = iter(loader)
+    head = [_plain(next(it)) for _ in range(2)]
+    state, at_save = copy.deepcopy(loader.state_dict()), torch.get_rng_state()
+    rest, steps = [_plain(b) for b in it], [torch.rand(3).tolist() for _ in range(2)]  # the training's draws
+    following = [_epoch(loader), _epoch(loader)]
+    assert torch.equal(state["global_rng"], at_save)
+    torch.manual_seed(123)
+    again = _loader(shuffle=True)
+    again.load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), at_save)
+    assert _epoch(again) == rest and [torch.rand(3).tolist() for _ in range(2)] == steps
+    assert [_epoch(again), _epoch(again)] == following and len(head) == 2
+    _, with_generator = _interrupted(2, shuffle=True, generator=True)
+    assert "global_rng" not in with_generator
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    _loader(shuffle=True, generator=True).load_state_dict(with_generator)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_distributed_sampler_user_batch_sampler_and_unbatched():
@@ -144,11 +158,11 @@ def test_distributed_sampler_user_batch_sampler_and_unbatched():
 
     for make in (distributed, batches, lambda: dict(batch_size=None, shuffle=True, generator=True)):
         full = _uninterrupted(2, **make())
-        _, state, rng = _interrupted(2, **make())
+        _, state = _interrupted(2, **make())
         options = make()
         if "sampler" in options:
             options["sampler"].set_epoch(0)  # the checkpoint brings the epoch back
-        assert _resumed(state, rng, 2, **options) == [full[0][2:], full[1]], make
+        assert _resumed(state, 2, **options) == [full[0][2:], full[1]], make
 
 
 def test_torchdata_resumes_coordls_batch_sampler_like_its_own():
@@ -186,12 +200,12 @@ def test_unshuffled_batches_equal_torchdatas_before_and_after_resume():
     [next(it) for _ in range(2)]
     resumed = StatefulDataLoader(Indices(), batch_size=3)
     resumed.load_state_dict(torchdata.state_dict())
-    _, state, rng = _interrupted(2, shuffle=False)
-    assert _resumed(state, rng, 1, shuffle=False)[0] == _epoch(resumed)
+    _, state = _interrupted(2, shuffle=False)
+    assert _resumed(state, 1, shuffle=False)[0] == _epoch(resumed)
 
 
 def test_stats_count_only_the_resumed_batches():
-    _, state, rng = _interrupted(5, shuffle=True, generator=True)
+    _, state = _interrupted(5, shuffle=True, generator=True)
     loader = _loader(shuffle=True, generator=True)
     loader.load_state_dict(state)
     assert len(_epoch(loader)) == 2
@@ -200,7 +214,7 @@ def test_stats_count_only_the_resumed_batches():
 
 
 def test_wrong_states_are_refused_with_what_to_do():
-    _, state, _ = _interrupted(2, shuffle=True, generator=True)
+    _, state = _interrupted(2, shuffle=True, generator=True)
     with pytest.raises(ValueError, match="epoch of 7 batches; this loader's epochs have 5"):
         _loader(shuffle=True, generator=True, batch_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="1 generator"):
@@ -219,11 +233,11 @@ def test_wrong_states_are_refused_with_what_to_do():
 
 def test_a_state_taken_again_before_the_resumed_pass_starts_is_the_saved_one():
     full = _uninterrupted(1, shuffle=True, generator=True)
-    _, state, rng = _interrupted(3, shuffle=True, generator=True)
+    _, state = _interrupted(3, shuffle=True, generator=True)
     loader = _loader(shuffle=True, generator=True)
     loader.load_state_dict(state)
     it = iter(loader)  # in-process: the pass starts at the first next()
     again = copy.deepcopy(loader.state_dict())
     assert again["pass"]["consumed"] == 3
-    assert _resumed(again, rng, 1, shuffle=True, generator=True) == [full[0][3:]]
+    assert _resumed(again, 1, shuffle=True, generator=True) == [full[0][3:]]
     assert [_plain(b) for b in it] == full[0][3:]
