@@ -27,7 +27,7 @@ from coordl._core.shm import shm_dir
 from coordl._core.sizes import format_bytes, parse_size_option
 from coordl._epochs.batch_sampler import EpochBatchSampler, EpochSampler
 from coordl._epochs.ledger import EpochLedger
-from coordl._fetch.cached_dataset import CachedDataset, PreparedCollate, SampleCounters
+from coordl._fetch.cached_dataset import CachedDataset, CountingCollate, PreparedCollate, SampleCounters
 from coordl._fetch.raw_datasets import raw_source
 from coordl._group.config import check_group_compatible, check_group_options
 from coordl._peer.locality import LocalityPlan, locality_plan
@@ -236,7 +236,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         feed = self._feed(dali, staging_bytes, prep_options) if fed else None
         group = hp_group if getattr(feed, "group", None) is not None else None
         self._cache_stats = _CacheFill(wrapped)  # not a bound method: the ledger must not keep this loader alive
-        self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats), plan)
+        if isinstance(wrapped, torch.utils.data.IterableDataset) and feed is None:
+            user_collate = getattr(self.collate_fn, "counted", self.collate_fn)  # re-created from a coordl loader's
+            object.__setattr__(self, "collate_fn", CountingCollate(user_collate, SampleCounters(num_workers + 1),
+                                                                   batched=self._auto_collation))
+        self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats,
+                                  collate=self.collate_fn), plan)
         hooks.loader_built(self)
 
     def _feed(self, dali, staging_bytes, prep_options: dict):
@@ -328,11 +333,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """A pass that starts its own workers (or fetches in-process) counts in a fresh table, so samples
         that an abandoned earlier pass's workers still prefetch never count in this one. Persistent
         workers keep the table they were started with; their passes are told apart by differences."""
-        dataset = self.dataset
-        if not isinstance(dataset, CachedDataset) or self.epoch_ledger.feed is not None:
+        holder = self.dataset if isinstance(self.dataset, CachedDataset) else self.collate_fn
+        if not isinstance(holder, (CachedDataset, CountingCollate)) or self.epoch_ledger.feed is not None:
             return
         if self.num_workers == 0 or not self.persistent_workers or self._iterator is None:
-            dataset.counters = SampleCounters(self.num_workers + 1)
+            holder.counters = SampleCounters(self.num_workers + 1)
 
     def _keep_room_for(self, batch) -> None:
         """Once: make a growing cache leave room in /dev/shm for torch's worker-to-main batches, measured

@@ -21,7 +21,7 @@ import logging
 import time
 import weakref
 
-from coordl._fetch.cached_dataset import CachedDataset
+from coordl._fetch.cached_dataset import CachedDataset, CountingCollate
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 
 summary_logger = logging.getLogger("coordl")
@@ -65,6 +65,7 @@ class EpochLedger:
 
     Args:
         dataset: the loader's dataset (a ``CachedDataset`` counts samples; another dataset counts nothing).
+        collate: the loader's collate function (a ``CountingCollate`` counts an iterable dataset's samples).
         feed: the feed of prepared batches, or None (torch's fetcher makes the batches).
         group: the hp_group's name, for the statistics, or None.
         cache_stats: a function returning the cache's fill (or None).
@@ -79,8 +80,9 @@ class EpochLedger:
         state["current"] = None
         return state
 
-    def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None):
+    def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None):
         self.dataset, self.feed, self.group, self._cache_stats = dataset, feed, group, cache_stats
+        self.collate = collate
         self.observed: dict = {}
         self.epochs: list[EpochStats] = []
         self.current: _Running | None = None
@@ -96,7 +98,7 @@ class EpochLedger:
         started = time.perf_counter()
         if peers is not None:
             peers.begin_epoch(len(self.epochs) + 1)  # the servers' cache maps (partitioned)
-        counters = self.dataset.counters if isinstance(self.dataset, CachedDataset) else None
+        counters = self.counters()
         start = counters.totals() if counters else {}  # before the feed's producer starts fetching
         epoch = EpochStats(epoch=len(self.epochs) + 1, group=self.group,
                            servers=peers.topology.nodes if peers is not None else 0)
@@ -108,6 +110,13 @@ class EpochLedger:
             epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
         self.current = _Running(epoch, owner, counters, start, self.feed.counters if self.feed is not None else None)
         return plan
+
+    def counters(self):
+        """The shared counters this loader's samples are counted in: the cached dataset's, or the counting
+        collate function's (an iterable dataset); else None."""
+        if isinstance(self.dataset, CachedDataset):
+            return self.dataset.counters
+        return self.collate.counters if isinstance(self.collate, CountingCollate) else None
 
     def _peers(self):
         """The dataset's peer tier (partitioned caching), or None."""
@@ -165,7 +174,7 @@ class EpochLedger:
                     setattr(epoch, field[:-3] + "_s", (value - running.start[field]) / 1e9)
                 else:
                     setattr(epoch, field, value - running.start[field])
-        else:  # a dataset coordl does not wrap: what was handed to torch
+        else:  # a map-style dataset coordl does not wrap: what was handed to torch
             epoch.samples = running.yielded
         epoch.decoded = epoch.samples
         epoch.moved = getattr(getattr(running.owner, "sampler", None), "moved", 0)  # locality-aware batches

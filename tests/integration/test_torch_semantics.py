@@ -6,6 +6,7 @@ torch documents. (``tools/torch_dataloader_suite.py`` runs torch's file itself.)
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import time
 import warnings
 
@@ -96,13 +97,15 @@ def test_the_iterator_is_a_torch_dataloader_iterator_and_still_times_the_loop(im
 
 
 class Shards(tud.IterableDataset):
-    """Each worker yields ``range(sizes[worker id])``; no ``__len__``."""
+    """Each worker yields ``range(sizes[worker id])`` (the training process, ``range(sizes[0])``); no
+    ``__len__``."""
 
     def __init__(self, sizes):
         self.sizes = sizes
 
     def __iter__(self):
-        return iter(range(self.sizes[tud.get_worker_info().id]))
+        worker = tud.get_worker_info()
+        return iter(range(self.sizes[worker.id if worker is not None else 0]))
 
 
 @pytest.mark.slow
@@ -119,6 +122,21 @@ def test_an_iterable_dataset_sharded_by_worker_info_loads_as_with_torch(progress
         assert sorted(map(key, got)) == sorted(map(key, expected))
         assert all(type(g) is int for g in got) if batch_size is None else len(got) == 4  # 0 + 1 + 3 batches
 
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterable_datasets_stats_count_the_samples_and_batches_the_loop_received(num_workers):
+    """Not the index lists torch hands out (placeholders, drawn ahead and past the dataset's end): 300 samples
+    over 2 shards of 150 are 10 batches of at most 32, and 300 unbatched samples."""
+    for batch_size in (32, None):
+        loader = coordl.DataLoader(Shards([150, 150] if num_workers else [300]), batch_size=batch_size,
+                                   num_workers=num_workers)
+        for epoch in (1, 2):
+            received = list(loader)
+            epochs = loader.stats().epochs
+            assert len(epochs) == epoch and epochs[-1].complete
+            samples = len(received) if batch_size is None else sum(len(b) for b in received)
+            assert (epochs[-1].samples, epochs[-1].batches) == (samples, len(received)) and samples == 300
+        assert sum(len(b) if batch_size else 1 for b in pickle.loads(pickle.dumps(loader))) == 300
 
 class Counting(tud.IterableDataset):
     """Every worker yields all of ``range(n)`` (not sharded), so 2 workers yield twice ``len``."""
