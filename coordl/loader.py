@@ -242,6 +242,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                                                                    batched=self._auto_collation))
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats,
                                   collate=self.collate_fn), plan)
+        self.epoch_ledger.follow_first_over(dataset.dataset if isinstance(dataset, CachedDataset) else dataset)
         hooks.loader_built(self)
 
     def _feed(self, dali, staging_bytes, prep_options: dict):

@@ -20,7 +20,9 @@ class EpochStats:
     ``storage_wait_s``, ``peer_wait_s`` and ``prep_s`` are the seconds this job's loading processes spent
     reading storage, waiting for peers and preparing samples (decode and transform; not counted with
     ``backend="dali"``, whose prep is DALI's, nor for a dataset loaded uncached), summed over the processes: where the loading time goes, to
-    read beside ``stall_s``, the time the training loop waited.
+    read beside ``stall_s``, the time the training loop waited: None where it was not measured, when a
+    torch DataLoader built from the loader's parts (Accelerate's, for one) ran the epoch, as only coordl's
+    own iterator sees the loop's waits.
     """
 
     epoch: int
@@ -32,7 +34,7 @@ class EpochStats:
     stale: int = 0
     cache_bytes: int = 0
     storage_bytes: int = 0
-    stall_s: float = 0.0
+    stall_s: float | None = 0.0
     time_s: float = 0.0
     decoded: int = 0
     group: str | None = None
@@ -62,7 +64,7 @@ class EpochStats:
         fill = f"{cache.fill_fraction:.3f}" if cache is not None else "off"
         line = (f"epoch={self.epoch} complete={int(self.complete)} samples={self.samples} batches={self.batches} "
                 f"hits={self.hits} misses={self.misses} stale={self.stale} cache_bytes={self.cache_bytes} "
-                f"storage_bytes={self.storage_bytes} stall_s={self.stall_s:.3f} time_s={self.time_s:.3f} "
+                f"storage_bytes={self.storage_bytes} stall_s={_seconds(self.stall_s, '.3f')} time_s={self.time_s:.3f} "
                 f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill} storage_wait_s={self.storage_wait_s:.3f} "
                 f"prep_s={self.prep_s:.3f}")
         if self.servers:
@@ -93,7 +95,7 @@ class LoaderStats:
         columns = [("epoch", lambda e: str(e.epoch) if e.epoch else "total"), ("samples", lambda e: str(e.samples)),
                    ("samples/s", lambda e: f"{e.samples_per_s:.1f}"), ("hits", lambda e: str(e.hits)),
                    ("misses", lambda e: str(e.misses)), ("storage MiB", lambda e: f"{e.storage_bytes / 2**20:.1f}"),
-                   ("stall s", lambda e: f"{e.stall_s:.2f}"), ("time s", lambda e: f"{e.time_s:.2f}")]
+                   ("stall s", lambda e: _seconds(e.stall_s, ".2f")), ("time s", lambda e: f"{e.time_s:.2f}")]
         if self.total.servers:
             columns.insert(5, ("peer hits", lambda e: str(e.peer_hits)))
         if self.total.group is not None:
@@ -118,9 +120,14 @@ class LoaderStats:
                 "group": group, "peers": self.peers}
 
 
+def _seconds(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
-    """Accumulate ``epoch``'s counts into ``total``."""
-    for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "stall_s", "time_s",
+    """Accumulate ``epoch``'s counts into ``total`` (whose ``stall_s`` is None once an epoch's is)."""
+    for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "time_s",
                   "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved", "storage_wait_s",
                   "peer_wait_s", "prep_s"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))
+    total.stall_s = None if total.stall_s is None or epoch.stall_s is None else total.stall_s + epoch.stall_s

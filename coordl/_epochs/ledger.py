@@ -25,6 +25,8 @@ from coordl._fetch.cached_dataset import CachedDataset, CountingCollate
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 
 summary_logger = logging.getLogger("coordl")
+_FIRST_OVER: "weakref.WeakValueDictionary[int, EpochLedger]" = weakref.WeakValueDictionary()
+"""The ledger of the first living loader over each user's dataset (by id), which later loaders over it follow."""
 
 
 class _Running:
@@ -75,9 +77,10 @@ class EpochLedger:
     """
 
     def __getstate__(self) -> dict:
-        """Pickled with the epochs it recorded, without the one in progress (its pass stays in this process)."""
+        """Pickled with the epochs it recorded, without the one in progress (its pass stays in this process)
+        or the ledgers that follow it (they stay too)."""
         state = self.__dict__.copy()
-        state["current"] = None
+        state["current"], state["_followers"] = None, []
         return state
 
     def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None):
@@ -87,6 +90,32 @@ class EpochLedger:
         self.epochs: list[EpochStats] = []
         self.current: _Running | None = None
         self._group_stats = None
+        self._followers: list[tuple[weakref.ref, list[EpochStats]]] = []
+
+    def follow_first_over(self, dataset) -> None:
+        """Follow the ledger of the first living loader built over ``dataset`` (the user's), or be that one. A
+        framework re-creates the loader the user holds over the same dataset (Lightning's DDP, from its
+        arguments, to inject a DistributedSampler) and iterates the new one, so a loader that has run no
+        epoch of its own reports those of the latest loader that follows it (see :meth:`stats`)."""
+        first = _FIRST_OVER.get(id(dataset))
+        if first is not None and first._users_dataset() is dataset:
+            first._followers.append((weakref.ref(self), self.epochs))
+        else:
+            _FIRST_OVER[id(dataset)] = self
+
+    def _users_dataset(self):
+        return self.dataset.dataset if isinstance(self.dataset, CachedDataset) else self.dataset
+
+    def _reporting(self) -> tuple["EpochLedger | None", list[EpochStats]]:
+        """The ledger whose epochs this one's stats give, and its finished epochs: this one, unless it has run
+        no epoch and a follower has (None once that follower is gone: its finished epochs stay)."""
+        if self.epochs or self.current is not None:
+            return self, self.epochs
+        for ref, epochs in reversed(self._followers):
+            follower = ref()
+            if epochs or (follower is not None and follower.current is not None):
+                return follower, epochs
+        return self, self.epochs
 
     # -- driven by the batch sampler's passes --------------------------------------------------------
 
@@ -168,6 +197,8 @@ class EpochLedger:
     def _filled(self, running: _Running) -> EpochStats:
         epoch = EpochStats(**{**running.epoch.__dict__, "time_s": time.perf_counter() - running.started,
                               "batches": running.delivered if running.timed else running.handed})
+        if not running.timed and self.feed is None:
+            epoch.stall_s = None  # a torch iterator over the loader's parts: the loop's waits are not seen
         if running.counters is not None:
             for field, value in running.counters.totals().items():
                 if field.endswith("_ns"):  # times: counted in ns, reported in seconds
@@ -185,14 +216,19 @@ class EpochLedger:
         return epoch
 
     def stats(self) -> LoaderStats:
-        """Every finished epoch and the one in progress, their total, the cache's fill, the group's state."""
-        epochs = list(self.epochs) + ([self._filled(self.current)] if self.current is not None else [])
-        total = EpochStats(epoch=0, complete=all(e.complete for e in epochs), group=self.group)
+        """Every finished epoch and the one in progress, their total, the cache's fill, the group's state;
+        those of the loader that follows this one, where this one has run no epoch (see
+        :meth:`follow_first_over`)."""
+        source, finished = self._reporting()
+        running = source.current if source is not None else None
+        live = source if source is not None else self
+        epochs = list(finished) + ([live._filled(running)] if running is not None else [])
+        total = EpochStats(epoch=0, complete=all(e.complete for e in epochs), group=live.group)
         for e in epochs:
             add_epoch(total, e)
-        if self.feed is not None:
-            self._group_stats = self.feed.stats() or self._group_stats
-        peers = self._peers()
+        if live.feed is not None:
+            live._group_stats = live.feed.stats() or live._group_stats
+        peers = live._peers()
         total.servers = peers.topology.nodes if peers is not None else 0
-        return LoaderStats(epochs=epochs, total=total, cache=self._cache_stats(), group=self._group_stats,
+        return LoaderStats(epochs=epochs, total=total, cache=live._cache_stats(), group=live._group_stats,
                            peers=peers.peer_stats() if peers is not None else None)

@@ -386,8 +386,8 @@ class _Window:
             out["hit_fraction"], out["peer_hit_fraction"] = hits / max(1, fetched), peer_hits / max(1, fetched)
             out["step_samples_per_s"] = samples / self.step_s if self.step_s > 0 else None
             out["step_on_gpu"] = torch.cuda.is_initialized()  # then the step's clock sees its launch, not its work
-            out["waits_s"] = {k: (now - before) / samples for (k, now), before
-                              in zip(_timers(self.loader).items(), self.timers_before.values())}
+            out["waits_s"] = {k: None if now is None or before is None else (now - before) / samples
+                              for (k, now), before in zip(_timers(self.loader).items(), self.timers_before.values())}
         if self.phase == "rates":  # the loop on prepared batches
             return {**self.rates, "Q": out["samples_per_s"], "Q_iters": iters, "Q_s": elapsed,
                     "Q_spread": out["spread"]}

@@ -106,7 +106,7 @@ def measured_stall(pipeline: Pipeline, run: dict) -> dict | None:
     is not timed (the DALI backend). None where the loop's waits were not timed (a torch iterator over the
     loader's parts)."""
     waits = run.get("waits_s")
-    if waits is None or run.get("step_samples_per_s") is None:
+    if waits is None or waits["stall"] is None or run.get("step_samples_per_s") is None:
         return None
     samples = pipeline.samples / (pipeline.servers * pipeline.ranks)
     stall_s, fetching, preparing = waits["stall"] * samples, waits["storage"] + waits["peers"], waits["prep"]

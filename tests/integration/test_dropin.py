@@ -58,6 +58,40 @@ def test_a_plain_loader_from_the_parts_keeps_cache_stats_and_summary_line(image_
     assert (second.samples, second.hits, second.misses, second.complete) == (len(files), len(files), 0, True)
     lines = [r.getMessage() for r in caplog.records if r.name == "coordl" and r.getMessage().startswith("epoch=")]
     assert [line.split()[:2] for line in lines] == [["epoch=1", "complete=1"], ["epoch=2", "complete=1"]]
+    # torch's iterator ran these epochs: the loop's waits were not seen, so they are not given as 0
+    assert first.stall_s is None and second.stall_s is None and loader.stats().total.stall_s is None
+    assert all("stall_s=- " in line for line in lines) and " - " in str(loader.stats())
+    list(loader)  # coordl's own iterator times them
+    assert loader.stats().epochs[2].stall_s >= 0 and loader.stats().total.stall_s is None
+    loader.close()
+
+
+def test_a_loader_re_created_from_a_coordl_loaders_parts_reports_to_the_loader_the_user_holds(image_root):
+    """As frameworks do (Lightning's DDP, to inject its DistributedSampler): the user's loader, while it has run
+    no epoch itself, gives the re-created loader's epochs, the one in progress included, and keeps the finished
+    ones after that loader is gone."""
+    files = _files(image_root)
+    loader = coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), batch_size=8, collate_fn=list,
+                               cache_bytes=dataset_bytes(image_root))
+    sampler = tud.DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=False)
+    again = coordl.DataLoader(loader.dataset, batch_size=8, sampler=sampler, collate_fn=list,
+                              cache_bytes=loader.cache_bytes)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert sum(len(batch) for batch in again) == len(sampler)
+    it = iter(again)
+    next(it)
+    mine, theirs = loader.stats(), again.stats()
+    assert [(e.epoch, e.samples, e.hits) for e in mine.epochs] == [(e.epoch, e.samples, e.hits) for e in theirs.epochs]
+    assert [(e.samples, e.hits, e.complete) for e in mine.epochs] == \
+        [(len(sampler), 0, True), (len(sampler), len(sampler), True), (8, 8, False)]
+    assert mine.cache.items_cached == theirs.cache.items_cached == len(sampler)
+    del it
+    again.close()
+    del again
+    assert [e.epoch for e in loader.stats().epochs] == [1, 2, 3] and loader.stats().cache is not None
+    assert sum(len(batch) for batch in loader) == len(files)
+    assert [e.samples for e in loader.stats().epochs] == [len(files)]  # its own, once it has run an epoch
     loader.close()
 
 
@@ -158,6 +192,8 @@ def test_accelerate_keeps_stats_summary_and_backend(image_root, backend, acceler
     epochs = loader.stats().epochs
     assert [(e.samples, e.complete) for e in epochs] == [(len(dataset), True)] * 2
     assert epochs[1].hits == len(dataset)
+    # torch's iterator runs Accelerate's loop: no waits seen, unless a feed's (DALI) were
+    assert all(e.stall_s is None if backend == "torch" else e.stall_s >= 0 for e in epochs)
     assert sum(r.getMessage().startswith("epoch=") for r in caplog.records if r.name == "coordl") == 2
     del prepared
     loader.close()

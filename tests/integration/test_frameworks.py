@@ -245,10 +245,13 @@ def test_lightning_ddp_fit_reads_through_the_cache(tmp_path, image_root, num_wor
             assert epoch["misses"] == N_IMAGES - stats.items_cached
             assert epoch["cache_bytes"] == stats.bytes_cached
 
-        # The loader's own per-epoch stats agree.
+        # The loader's own per-epoch stats agree, and so do those of the loader the module made, which
+        # Lightning re-created: the one the user holds.
         epochs = loader.stats().epochs
         assert len(epochs) == 3
         assert [(e.samples, e.hits) for e in epochs] == [(N_IMAGES, 0)] + [(N_IMAGES, stats.items_cached)] * 2
+        assert [(e.samples, e.hits) for e in original.stats().epochs] == [(e.samples, e.hits) for e in epochs]
+        assert all(e.stall_s is not None for e in epochs)  # Lightning iterates coordl's loader: waits timed
     finally:
         _close_all(loader, *module.made)
 
