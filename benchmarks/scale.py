@@ -126,35 +126,37 @@ def main(argv=None) -> int:
     from benchmarks import report
     from benchmarks.construction import generate, trial
     from benchmarks.metrics import spread
+    from harness.storage_env import Cleanup
     from coordl._core.settings import SHM_DIR_ENV
 
-    shm = tempfile.mkdtemp(prefix="coordl-scale-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
-    os.environ[SHM_DIR_ENV] = shm  # this run's caches, removed at the end
-    roots, trials, construction = {}, [], []
-    try:
-        for size in args.sizes:
-            roots[size] = os.path.join(args.workdir, f"coordl_construction_{size}x{CLASSES}")
-            print(f"{size} files in {roots[size]}: generated in {generate(roots[size], size, CLASSES):.0f} s", flush=True)
-        for rep in range(args.reps):
+    with Cleanup():  # a SIGTERM runs the same clean-up as Ctrl-C: the shm folder and its caches go
+        shm = tempfile.mkdtemp(prefix="coordl-scale-", dir=os.environ.get(SHM_DIR_ENV, "/dev/shm"))
+        os.environ[SHM_DIR_ENV] = shm  # this run's caches, removed at the end
+        roots, trials, construction = {}, [], []
+        try:
             for size in args.sizes:
-                for mode in (("imagefolder", "coordl-new-cache") if rep % 2 == 0 else ("coordl-new-cache", "imagefolder")):
-                    t = trial(mode, roots[size], args.batch_size)
-                    construction.append({"rep": rep, "size": size, "mode": mode, "seconds": t["seconds"]})
-                for system in (("torch", "coordl") if (rep + size) % 2 == 0 else ("coordl", "torch")):
-                    dl = loader(system, roots[size], args.workers, args.batch_size)
-                    seconds = steady_epoch_s(dl, args.epochs)
-                    if hasattr(dl, "close"):
-                        dl.close()
-                    del dl
-                    trials.append({"rep": rep, "size": size, "system": system, "epoch_s": seconds})
-                    print(f"trial {rep + 1}/{args.reps} {size:>8} files {system:<6} steady epoch {seconds:7.2f} s "
-                          f"({seconds / size * 1e6:.1f} µs per sample)", flush=True)
-        prep = prep_cost_s(args.workdir)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        if args.clean:
-            for root in roots.values():
-                shutil.rmtree(root, ignore_errors=True)
+                roots[size] = os.path.join(args.workdir, f"coordl_construction_{size}x{CLASSES}")
+                print(f"{size} files in {roots[size]}: generated in {generate(roots[size], size, CLASSES):.0f} s", flush=True)
+            for rep in range(args.reps):
+                for size in args.sizes:
+                    for mode in (("imagefolder", "coordl-new-cache") if rep % 2 == 0 else ("coordl-new-cache", "imagefolder")):
+                        t = trial(mode, roots[size], args.batch_size)
+                        construction.append({"rep": rep, "size": size, "mode": mode, "seconds": t["seconds"]})
+                    for system in (("torch", "coordl") if (rep + size) % 2 == 0 else ("coordl", "torch")):
+                        dl = loader(system, roots[size], args.workers, args.batch_size)
+                        seconds = steady_epoch_s(dl, args.epochs)
+                        if hasattr(dl, "close"):
+                            dl.close()
+                        del dl
+                        trials.append({"rep": rep, "size": size, "system": system, "epoch_s": seconds})
+                        print(f"trial {rep + 1}/{args.reps} {size:>8} files {system:<6} steady epoch {seconds:7.2f} s "
+                              f"({seconds / size * 1e6:.1f} µs per sample)", flush=True)
+            prep = prep_cost_s(args.workdir)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+            if args.clean:
+                for root in roots.values():
+                    shutil.rmtree(root, ignore_errors=True)
     points = []
     for size in args.sizes:
         point = {"size": size}

@@ -1,5 +1,5 @@
 """One bucket of an S3-compatible object store, read through AWS's native client (``s3torchconnectorclient``,
-installed with the ``coordl[s3]`` extra): whole-object GETs and paginated LISTs.
+installed with the ``coordl[s3]`` extra): whole-object GETs, HEADs and paginated LISTs.
 
 NOTE [ Object store client ]
 The native client (AWS CRT) releases the GIL and retries timeouts, 5xx and throttling (503 SlowDown) with
@@ -89,6 +89,13 @@ class ObjectClient:
         """The bytes of object ``key``, read whole."""
         try:
             return b"".join(self._client().get_object(self.bucket, key))
+        except _native_module().S3Exception as e:
+            raise self._error(e, key) from None
+
+    def etag(self, key: str) -> str:
+        """Object ``key``'s ETag now (a HEAD request)."""
+        try:
+            return self._client().head_object(self.bucket, key).etag.strip('"')
         except _native_module().S3Exception as e:
             raise self._error(e, key) from None
 

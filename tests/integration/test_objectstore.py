@@ -91,3 +91,46 @@ def test_a_missing_object_is_file_not_found_naming_it(bucket, tmp_path):
     os.unlink(tmp_path / "store" / "data" / "train" / dataset.keys[3].split("/", 1)[1])
     with pytest.raises(FileNotFoundError, match=f"s3://data/{dataset.keys[3]} at http://127.0.0.1"):
         dataset[3]
+
+
+def test_an_object_changed_since_the_manifest_is_read_fresh_and_not_stamped_for_the_cache(bucket, tmp_path):
+    """Same size, other bytes: its MD5 is not the manifest's ETag, and a HEAD confirms the change."""
+    server, url = bucket
+    dataset = ObjectDataset(url)
+    changed, kept = dataset.raw_key(2), dataset.raw_key(3)
+    path = tmp_path / "store" / "data" / "train" / dataset.keys[2].split("/", 1)[1]
+    fresh = bytes(255 - b for b in path.read_bytes())
+    path.write_bytes(fresh)
+    assert dataset.storage.read_stamped(changed) == (fresh, None)
+    data, stamp = dataset.storage.read_stamped(kept)
+    assert stamp == dataset.storage.stamp(kept) and stamp[2] == len(data)
+    assert dataset.storage.etags_are_md5
+
+
+def test_etags_that_are_not_md5s_stop_the_md5_check_after_one_head():
+    """Server-side encryption with KMS gives ETags of an MD5's form that are not the bytes' MD5: the first
+    mismatch is checked by a HEAD, which says the object is unchanged, and no later read is checked."""
+    from coordl._objects.storage import ObjectStorage
+
+    class Store:  # the bucket's client, with the ETags such a store gives
+        heads = 0
+
+        def get(self, key):
+            return b"encrypted at rest"
+
+        def etag(self, key):
+            Store.heads += 1
+            return "0" * 32
+
+    storage = ObjectStorage(Store(), Manifest("s3://b/p", ["p/a", "p/b"], [17, 17], ["0" * 32, "0" * 32]))
+    assert [storage.read_stamped(f"s3://b/p/{k}")[1] for k in "ab"] == [storage.stamp("s3://b/p/a")] * 2
+    assert Store.heads == 1 and not storage.etags_are_md5
+
+
+def test_a_store_gone_mid_epoch_is_retried_then_named_not_waited_for(bucket):
+    server, url = bucket
+    dataset = ObjectDataset(url)
+    assert dataset[0]
+    server.stop()
+    with pytest.raises(OSError, match=f"s3://data/{dataset.keys[1]} at http://127.0.0.1:{server.port}"):
+        dataset[1]
