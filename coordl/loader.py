@@ -237,12 +237,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         group = hp_group if getattr(feed, "group", None) is not None else None
         self._cache_stats = _CacheFill(wrapped)  # not a bound method: the ledger must not keep this loader alive
         if isinstance(wrapped, torch.utils.data.IterableDataset) and feed is None:
-            user_collate = getattr(self.collate_fn, "counted", self.collate_fn)  # re-created from a coordl loader's
+            user_collate = self.collate_fn.collate_fn if isinstance(self.collate_fn, CountingCollate) else \
+                self.collate_fn  # re-created from a coordl loader's parts
             object.__setattr__(self, "collate_fn", CountingCollate(user_collate, SampleCounters(num_workers + 1),
                                                                    batched=self._auto_collation))
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats,
                                   collate=self.collate_fn), plan)
-        self.epoch_ledger.follow_first_over(dataset.dataset if isinstance(dataset, CachedDataset) else dataset)
+        self.epoch_ledger.follow_earlier_over(dataset.dataset if isinstance(dataset, CachedDataset) else dataset)
         hooks.loader_built(self)
 
     def _feed(self, dali, staging_bytes, prep_options: dict):
@@ -437,6 +438,8 @@ class _EpochIterator(_BaseDataLoaderIter):
         # Frameworks such as Lightning stop after len(loader) batches without asking for one more,
         # so a map-style epoch (whose length is exact) is complete at its last batch.
         current = loader._index_sampler.latest  # a resumed pass skips the batches consumed before its checkpoint
+        if current is not None:
+            current.timed = True  # its plan may run out, fetched ahead, before the loop has its first batch
         self._last_batch = None if isinstance(loader.dataset, torch.utils.data.IterableDataset) else \
             len(inner) - (current.skipped if current is not None else 0)
         self._delivered = 0

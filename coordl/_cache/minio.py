@@ -23,10 +23,22 @@ One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
 NOTE [ Concurrency and crashes ]
 Writers take the segment's mutex only to reserve space: the cursor moves first (a crash leaks at
 most that item's bytes), then offset and length, then ``status = -(slot + 1)``; the copy runs
+unlocked (the bytes, then the stamp), then one aligned int32 store of ``status = 1`` publishes the
+item. Readers take no lock: an item is visible once ready and never moves or changes afterwards (no
+eviction). A slot whose copy was interrupted (an exception in ``put``) is marked 2 at once; one whose
+writer died (its liveness lock is free) is *orphaned* too: whoever next takes the mutex and meets it
+turns it to 2. The next process that fetches the item rewrites it in place, also after the cache
+froze. Registration reaps dead users' rows the same way before a slot is reused.
+
+NOTE [ Sizing ]).
+
+NOTE [ Concurrency and crashes ]
+Writers take the segment's mutex only to reserve space: the cursor moves first (a crash leaks at
+most that item's bytes), then offset and length, then ``status = -(slot + 1)``; the copy runs
 unlocked (the bytes, then the stamp), then one aligned int32 store of ``status = 1`` publishes the item. Readers take no lock:
-an item is visible once ready and never moves or changes afterwards (no eviction). A slot whose
-writer died (its liveness lock is free) is *orphaned*: whoever next takes the mutex and meets it
-turns it to 2, and the next process that fetches the item rewrites it in place, also after the
+an item is visible once ready and never moves or changes afterwards (no eviction). A slot whose copy
+was interrupted (an exception in ``put``) is marked 2 at once; one whose writer died (its liveness lock
+is free) is *orphaned* too: whoever next takes the mutex and meets it turns it to 2, and the next process that fetches the item rewrites it in place, also after the
 cache froze. Registration reaps dead users' rows the same way before a slot is reused.
 
 NOTE [ Sizing ]
@@ -426,7 +438,11 @@ class MinIOCache:
             if offset is None:
                 return False
             views.status[index] = -(self._slot + 1)
-        self._write(views, index, offset, data, stamp)
+        try:
+            self._write(views, index, offset, data, stamp)
+        except BaseException:  # (a KeyboardInterrupt mid-copy): the space goes to the next writer of the item
+            views.status[index] = _ORPHANED
+            raise
         views.status[index] = _READY  # the publish: only now may a reader see the item
         return True
 

@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import weakref
 
+import torch.distributed
 import torch.utils.data
 import torch.utils.data.distributed
 from torch.utils.data.dataloader import _InfiniteConstantSampler
@@ -45,6 +46,12 @@ _DRAWN_AHEAD = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampl
                 torch.utils.data.distributed.DistributedSampler)
 """torch's samplers, whose passes depend on their random state, epoch and settings only: those
 :meth:`plan_ahead` draws."""
+
+
+def _rank() -> int:
+    """This process's rank in torch.distributed's default group, 0 outside one."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
 
 
 class _PassCheckpoints:
@@ -87,7 +94,7 @@ class _PassCheckpoints:
         the global torch RNG as it is now, where a pass draws from it (NOTE [ Resuming a pass ])."""
         state = self._position(consumed)
         if self.draws_from_global_rng():
-            state["global_rng"] = torch.get_rng_state()
+            state["global_rng"], state["global_rng_rank"] = torch.get_rng_state(), _rank()
         return state
 
     def _position(self, consumed: int | None) -> dict:
@@ -113,8 +120,15 @@ class _PassCheckpoints:
         what = type(self).__name__
         state = resume_state.checked(state, what)
         self._load(state, what)
-        if "global_rng" in state and self.draws_from_global_rng():
+        if "global_rng" not in state or not self.draws_from_global_rng():
+            return
+        saved_rank = state.get("global_rng_rank", 0)
+        if saved_rank == _rank():
             torch.set_rng_state(state["global_rng"])  # what the next epoch draws from (NOTE [ Resuming a pass ])
+        else:
+            warn_caller(f"{what}.load_state_dict: the state holds rank {saved_rank}'s global torch RNG; rank "
+                        f"{_rank()} keeps its own, so its next epochs' worker seeds are not the uninterrupted "
+                        f"run's (pass the loader a generator to make them so)")
 
     def _load(self, state: dict, what: str) -> None:
         saved = state["pass"]
@@ -262,7 +276,8 @@ class EpochPass:
 
     Attributes: ``rng`` (what its plan was drawn from, once started), ``created_rng`` (the generators at
     ``iter()``, before torch draws its base seed), ``pending`` (the saved pass it resumes, or None),
-    ``skipped`` and ``handed`` (batches, the skipped included), ``exhausted`` (its plan ran out).
+    ``skipped`` and ``handed`` (batches, the skipped included), ``exhausted`` (its plan ran out), ``timed``
+    (coordl's own iterator runs it).
     """
 
     def __init__(self, sampler: EpochBatchSampler):
@@ -280,6 +295,7 @@ class EpochPass:
             self.created_rng = sampler.rng_sources().capture(with_global=False) if self.pending is None else None
         self.rng, self.exhausted = None, False
         self.skipped = self.handed = self.pending["consumed"] if self.pending is not None else 0
+        self.timed = False  # coordl's own iterator runs this pass: it times the loop's waits and ends the epoch
         sampler.latest = self
 
     @property

@@ -25,8 +25,8 @@ from coordl._fetch.cached_dataset import CachedDataset, CountingCollate
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 
 summary_logger = logging.getLogger("coordl")
-_FIRST_OVER: "weakref.WeakValueDictionary[int, EpochLedger]" = weakref.WeakValueDictionary()
-"""The ledger of the first living loader over each user's dataset (by id), which later loaders over it follow."""
+_OVER: dict[int, list[weakref.ref]] = {}
+"""The ledgers of the loaders built over each user's dataset (by id), which later loaders over it follow."""
 
 
 class _Running:
@@ -83,6 +83,11 @@ class EpochLedger:
         state["current"], state["_followers"] = None, []
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (``ddp_spawn``'s processes): a loader re-created there over the same dataset follows it."""
+        self.__dict__.update({"collate": None, "_followers": [], **state})  # a ledger pickled before they were
+        self.follow_earlier_over(self._users_dataset())
+
     def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None):
         self.dataset, self.feed, self.group, self._cache_stats = dataset, feed, group, cache_stats
         self.collate = collate
@@ -92,16 +97,18 @@ class EpochLedger:
         self._group_stats = None
         self._followers: list[tuple[weakref.ref, list[EpochStats]]] = []
 
-    def follow_first_over(self, dataset) -> None:
-        """Follow the ledger of the first living loader built over ``dataset`` (the user's), or be that one. A
-        framework re-creates the loader the user holds over the same dataset (Lightning's DDP, from its
-        arguments, to inject a DistributedSampler) and iterates the new one, so a loader that has run no
-        epoch of its own reports those of the latest loader that follows it (see :meth:`stats`)."""
-        first = _FIRST_OVER.get(id(dataset))
-        if first is not None and first._users_dataset() is dataset:
-            first._followers.append((weakref.ref(self), self.epochs))
-        else:
-            _FIRST_OVER[id(dataset)] = self
+    def follow_earlier_over(self, dataset) -> None:
+        """Follow the ledgers of the living loaders built earlier over ``dataset`` (the user's). A framework
+        re-creates the loader the user holds over the same dataset (Lightning's DDP, from its arguments, to
+        inject a DistributedSampler) and iterates the new one, so a loader that has run no epoch of its own
+        reports those of the latest loader that follows it (see :meth:`stats`)."""
+        for key in [key for key, refs in _OVER.items() if all(ref() is None for ref in refs)]:
+            del _OVER[key]
+        for ref in _OVER.get(id(dataset), []):
+            earlier = ref()
+            if earlier is not None and earlier._users_dataset() is dataset:
+                earlier._followers.append((weakref.ref(self), self.epochs))
+        _OVER.setdefault(id(dataset), []).append(weakref.ref(self))
 
     def _users_dataset(self):
         return self.dataset.dataset if isinstance(self.dataset, CachedDataset) else self.dataset
@@ -164,7 +171,7 @@ class EpochLedger:
         if running is None or running.owner is not owner:
             return
         running.exhausted = True
-        if running.timed:
+        if running.timed or owner.timed:
             return  # coordl's own iterator ends it at the last batch it delivers
         fetched = running.counters.totals()["samples"] - running.start["samples"] if running.counters else 0
         if self.feed is not None or fetched >= running.yielded:
@@ -218,7 +225,7 @@ class EpochLedger:
     def stats(self) -> LoaderStats:
         """Every finished epoch and the one in progress, their total, the cache's fill, the group's state;
         those of the loader that follows this one, where this one has run no epoch (see
-        :meth:`follow_first_over`)."""
+        :meth:`follow_earlier_over`)."""
         source, finished = self._reporting()
         running = source.current if source is not None else None
         live = source if source is not None else self

@@ -21,7 +21,10 @@ Where a pass draws from the global torch RNG (no ``generator``: torch's base see
 as with torch. So a state also holds the global RNG as it was when the state was taken, and
 ``load_state_dict`` sets it back: the resumed job's next epochs are the uninterrupted job's, provided its
 training draws what that job drew after the checkpoint (the same steps). A loader with a ``generator``
-leaves the global RNG alone. (torchdata's ``StatefulDataLoader`` gets there by giving its default sampler a
+leaves the global RNG alone, and so does a rank other than the one whose state it is (a DDP job's checkpoint
+is often rank 0's: the others keep their own streams, and say so). torchdata's ``StatefulDataLoader`` takes
+the state as it draws each batch, some steps before its own ``state_dict()``: its global RNG is that much
+older (Accelerate's ``load_state`` sets the RNG afterwards, from its own checkpoint). (torchdata's ``StatefulDataLoader`` gets there by giving its default sampler a
 generator of fixed seed, which changes the order a torch loader draws; coordl's stays torch's.)
 
 Not restored: random state inside worker processes (an augmentation draws afresh for the rest of the

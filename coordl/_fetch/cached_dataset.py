@@ -77,16 +77,17 @@ class PreparedCollate:
 
 class CountingCollate:
     """The collate function of a loader over an ``IterableDataset``: the user's ``collate_fn``, counting in
-    ``counters`` the samples torch's fetcher collates (its index lists are placeholders, handed out ahead and
-    past the dataset's end, so only the samples collated say what the training loop gets). ``batched``:
-    whether torch collates lists of samples (else each call is one sample)."""
+    ``counters`` the samples torch's fetcher collates. Its index lists are placeholders, handed out ahead and
+    past the dataset's end; the samples collated are what the training loop gets (short of the batches
+    fetched ahead when it stops early). ``batched``: whether torch collates lists of samples (else each call
+    is one sample)."""
 
     def __init__(self, collate_fn, counters: SampleCounters, batched: bool):
-        self.counted, self.counters, self.batched = collate_fn, counters, batched
+        self.collate_fn, self.counters, self.batched = collate_fn, counters, batched
 
     def __call__(self, data):
         self.counters.row()[_SAMPLES] += len(data) if self.batched else 1
-        return self.counted(data)
+        return self.collate_fn(data)
 
 
 class CachedDataset(torch.utils.data.Dataset):

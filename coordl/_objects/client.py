@@ -16,7 +16,6 @@ Endpoint, region and credentials come from the usual places: ``endpoint_url=``/`
 """
 
 import os
-import sys
 import threading
 import weakref
 from typing import Iterator
@@ -31,6 +30,7 @@ DEFAULT_REGION = "us-east-1"
 
 _clients: "weakref.WeakSet[ObjectClient]" = weakref.WeakSet()
 _lock = threading.Lock()
+_native_made = False  # whether this process made a native client (whose threads a fork must wait for)
 
 
 def _native_module():
@@ -75,9 +75,11 @@ class ObjectClient:
         return f"s3://{self.bucket} at {self.endpoint or f'AWS S3 ({self.region})'}"
 
     def _client(self, attempts: int = ATTEMPTS):
+        global _native_made
         if self._native is None or self._pid != os.getpid() or attempts != ATTEMPTS:
             native = _native_module().MountpointS3Client(region=self.region, endpoint=self.endpoint,
                                                           max_attempts=attempts)
+            _native_made = True
             if attempts != ATTEMPTS:
                 return native
             with _lock:
@@ -125,13 +127,14 @@ class ObjectClient:
 
 def _before_fork() -> None:
     """Drop every native client of this process and join their threads: a forked child makes its own."""
+    global _native_made
     with _lock:
         for client in _clients:
             client._native = None
         _clients.clear()
-    native = sys.modules.get("s3torchconnectorclient._mountpoint_s3_client")
-    if native is not None:
-        native.join_all_managed_threads(0.5)
+    if _native_made:  # the native runtime is only set up by a client (joining before that crashes it)
+        _native_made = False
+        _native_module().join_all_managed_threads(0.5)
 
 
 os.register_at_fork(before=_before_fork)

@@ -166,8 +166,9 @@ def _combine(ranks: list[dict]) -> dict:
             out[key] = max(values) if values else None
     if out.get("spread") is not None:  # the parts of the rank that ran least steadily
         out["parts_samples_per_s"] = max(ranks, key=lambda r: r.get("spread") or 0)["parts_samples_per_s"]
-    if out.get("waits_s") is not None:
-        out["waits_s"] = {k: sum(r["waits_s"][k] for r in ranks) / len(ranks) for k in out["waits_s"]}
+    if out.get("waits_s") is not None:  # a wait some rank did not time (a torch iterator ran its loop) is None
+        out["waits_s"] = {k: None if any(r["waits_s"][k] is None for r in ranks)
+                          else sum(r["waits_s"][k] for r in ranks) / len(ranks) for k in out["waits_s"]}
     for key in ("hit_fraction", "peer_hit_fraction"):
         if key in out:
             out[key] = sum(r[key] for r in ranks) / len(ranks)

@@ -95,6 +95,22 @@ def test_a_loader_re_created_from_a_coordl_loaders_parts_reports_to_the_loader_t
     loader.close()
 
 
+def test_the_loader_lightning_re_creates_from_its_arguments_reports_to_the_one_built_before_it(image_root):
+    """Re-created over the user's own dataset object (Lightning keeps the arguments), after another loader over
+    the same dataset was built first (an evaluation loader): the user's training loader gets the epochs."""
+    files = _files(image_root)
+    dataset = coordl.FileDataset(files, decode="bytes")
+    evaluation = coordl.DataLoader(dataset, batch_size=16, collate_fn=list, cache_bytes=dataset_bytes(image_root))
+    training = coordl.DataLoader(dataset, batch_size=8, collate_fn=list, cache_bytes=dataset_bytes(image_root))
+    again = coordl.DataLoader(dataset, batch_size=8, collate_fn=list, cache_bytes=dataset_bytes(image_root),
+                              sampler=tud.DistributedSampler(dataset, num_replicas=1, rank=0))
+    assert sum(len(batch) for batch in again) == len(files)
+    assert [(e.samples, e.batches) for e in training.stats().epochs] == [(len(files), len(files) // 8)]
+    assert sum(len(batch) for batch in evaluation) == len(files)
+    assert [e.batches for e in evaluation.stats().epochs] == [len(files) // 16]  # its own, once it ran
+    for loader in (again, training, evaluation):
+        loader.close()
+
 def test_the_dali_backend_through_a_plain_loader_gives_its_own_batches(image_root):
     dataset = torchvision.datasets.ImageFolder(image_root)
     options = dict(batch_size=8, backend="dali", cache_bytes=dataset_bytes(image_root))

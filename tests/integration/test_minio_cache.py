@@ -234,3 +234,18 @@ def test_auto_cache_grows_only_as_the_dataset_fills_it_and_zero_turns_it_off(ima
         assert off.dataset.cache is None and not off.dataset.storage.drop_page_cache
         list(off)
         assert off.stats().epochs[0].misses == 96 and off.stats().cache is None
+
+
+def test_an_insert_interrupted_mid_copy_leaves_its_space_to_the_next_writer():
+    with MinIOCache(_name(), n_items=2, capacity_bytes=1 << 16, fingerprint=bytes(32)) as cache:
+        write = cache._write
+
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        cache._write = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            cache.put(0, b"x" * 100)
+        cache._write = write
+        assert cache.get(0) is None and cache.put(0, b"y" * 100) and cache.get(0) == b"y" * 100
+        assert cache.stats().items_cached == 1

@@ -108,6 +108,28 @@ def _resident_bytes(path) -> int:
     return int(out.split()[0])
 
 
+def test_waits_are_timed_when_the_workers_fetched_the_whole_plan_before_the_first_batch(tmp_path):
+    """Forced: the loop pauses after iter() while 2 workers fetch both batches of the plan (their prefetch
+    holds 4), so torch finds the plan run out, and every sample fetched, inside the loop's first next()."""
+    files = []
+    for i in range(16):
+        files.append(str(tmp_path / f"{i}.bin"))
+        with open(files[-1], "wb") as f:
+            f.write(bytes([i]) * 100)
+    loader = coordl.DataLoader(coordl.FileDataset(files, decode="bytes"), batch_size=8, num_workers=2,
+                               collate_fn=list)
+    for _ in range(2):
+        it = iter(loader)
+        deadline = time.monotonic() + 30
+        while loader.dataset.counters.totals()["samples"] < len(files):  # the workers fetched everything
+            assert time.monotonic() < deadline, "the workers never fetched the plan"
+            time.sleep(0.01)
+        assert len(list(it)) == 2
+    epochs = loader.stats().epochs
+    assert [(e.samples, e.batches, e.complete) for e in epochs] == [(16, 2, True)] * 2
+    assert all(e.stall_s is not None and e.stall_s >= 0 for e in epochs)
+    loader.close()
+
 def test_misses_do_not_fill_the_page_cache(tmp_path):
     path = tmp_path / "sample.bin"
     if subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip() \

@@ -25,3 +25,19 @@ def test_the_hit_fractions_are_the_ranks_mean():
     combined = runner._combine(ranks)
     assert combined["samples_per_s"] == 280.0
     assert (combined["hit_fraction"], combined["peer_hit_fraction"]) == (0.5, 0.4)
+
+
+def test_the_waits_are_the_ranks_mean_and_a_wait_a_rank_did_not_time_is_none():
+    """A rank whose loop ran through a torch iterator over the loader's parts (Accelerate) timed no stall:
+    the job's stall is then not known, and the measured split is left out, not computed from the others."""
+    from coordl.analyzer import report
+
+    def run(stall):
+        return {"phase": "run", "samples_per_s": 300.0, "local_world_size": 2, "step_samples_per_s": 900.0,
+                "waits_s": {"stall": stall, "storage": 0.002, "peers": 0.0, "prep": 0.004}}
+
+    timed = runner._combine([run(0.001), run(0.003)])["waits_s"]
+    assert timed["stall"] == 0.002 and timed["prep"] == 0.004
+    untimed = runner._combine([run(0.001), run(None)])
+    assert untimed["waits_s"]["stall"] is None and untimed["waits_s"]["storage"] == 0.002
+    assert report.measured_stall(None, untimed) is None
