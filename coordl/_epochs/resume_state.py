@@ -20,12 +20,13 @@ Where a pass draws from the global torch RNG (no ``generator``: torch's base see
 ``RandomSampler`` draws for each epoch), the next epoch's order is whatever that RNG holds when it starts,
 as with torch. So a state also holds the global RNG as it was when the state was taken, and
 ``load_state_dict`` sets it back: the resumed job's next epochs are the uninterrupted job's, provided its
-training draws what that job drew after the checkpoint (the same steps). A loader with a ``generator``
-leaves the global RNG alone, and so does a rank other than the one whose state it is (a DDP job's checkpoint
-is often rank 0's: the others keep their own streams, and say so). torchdata's ``StatefulDataLoader`` takes
-the state as it draws each batch, some steps before its own ``state_dict()``: its global RNG is that much
-older (Accelerate's ``load_state`` sets the RNG afterwards, from its own checkpoint). (torchdata's ``StatefulDataLoader`` gets there by giving its default sampler a
-generator of fixed seed, which changes the order a torch loader draws; coordl's stays torch's.)
+training draws what that job drew after the checkpoint (the same steps). torchdata's own
+``StatefulDataLoader`` gets there by giving its default sampler a generator of fixed seed, which changes the
+order a torch loader draws; coordl's order stays torch's. A loader with a ``generator`` leaves the global RNG
+alone, and so does a rank other than the one whose state it is (a DDP job's checkpoint is often rank 0's: the
+others keep their own streams, and say so). A ``StatefulDataLoader`` around coordl's batch sampler takes the
+state as it draws each batch, some steps before its own ``state_dict()``, so that global RNG is as much
+older (Accelerate's ``load_state`` sets the RNG afterwards, from its own checkpoint).
 
 Not restored: random state inside worker processes (an augmentation draws afresh for the rest of the
 interrupted epoch, as with torchdata for datasets without ``state_dict``) and Python's and numpy's RNGs.
