@@ -14,7 +14,7 @@ One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
   * index: ``offsets`` int64[N], ``lengths`` int64[N], ``stamps`` int64[N, 2] (the version of the
     file each item was read from, inode and ctime, see ``storage.Stamp``; zeros without one),
     ``status`` int32[N] with
-    0 = empty, 1 = ready, 2 = orphaned (space reserved by a writer that died), -(slot + 1) = being
+    0 = empty, 1 = ready, 2 = orphaned (space reserved by a writer that died or was interrupted), -(slot + 1) = being
     written by the user in ``slot``;
   * data (``capacity`` bytes, page aligned): item bytes, packed in insertion order. The first
     ``allocated`` bytes are really allocated; the rest is a hole that is allocated in chunks as the
@@ -29,17 +29,6 @@ eviction). A slot whose copy was interrupted (an exception in ``put``) is marked
 writer died (its liveness lock is free) is *orphaned* too: whoever next takes the mutex and meets it
 turns it to 2. The next process that fetches the item rewrites it in place, also after the cache
 froze. Registration reaps dead users' rows the same way before a slot is reused.
-
-NOTE [ Sizing ]).
-
-NOTE [ Concurrency and crashes ]
-Writers take the segment's mutex only to reserve space: the cursor moves first (a crash leaks at
-most that item's bytes), then offset and length, then ``status = -(slot + 1)``; the copy runs
-unlocked (the bytes, then the stamp), then one aligned int32 store of ``status = 1`` publishes the item. Readers take no lock:
-an item is visible once ready and never moves or changes afterwards (no eviction). A slot whose copy
-was interrupted (an exception in ``put``) is marked 2 at once; one whose writer died (its liveness lock
-is free) is *orphaned* too: whoever next takes the mutex and meets it turns it to 2, and the next process that fetches the item rewrites it in place, also after the
-cache froze. Registration reaps dead users' rows the same way before a slot is reused.
 
 NOTE [ Sizing ]
 Every cache is created with only its index allocated (allocating many GiB of tmpfs up front takes

@@ -130,7 +130,7 @@ def test_etags_that_are_not_md5s_stop_the_md5_check_after_one_head():
     assert Store.heads == 1 and not storage.etags_are_md5
 
 
-def test_a_store_gone_mid_epoch_is_retried_then_named_not_waited_for(bucket):
+def test_a_store_gone_mid_epoch_is_named_after_the_clients_retries(bucket):
     server, url = bucket
     dataset = ObjectDataset(url)
     assert dataset[0]
