@@ -30,6 +30,8 @@ _HOMES = {
     "GroupStats": "coordl.coord_prep",
     "LoaderStats": "coordl.stats",
     "MinIOCache": "coordl.minio_cache",
+    "ObjectDataset": "coordl._objects.datasets",
+    "ObjectImageFolder": "coordl._objects.datasets",
     "RawBytesDataset": "coordl._fetch.raw_datasets",
     "SampleError": "coordl.exceptions",
     "ShmCapacityError": "coordl.exceptions",

@@ -28,6 +28,7 @@ from coordl._core.sizes import format_bytes, parse_size_option
 from coordl._epochs.batch_sampler import EpochBatchSampler, EpochSampler
 from coordl._epochs.ledger import EpochLedger
 from coordl._fetch.cached_dataset import CachedDataset, CountingCollate, PreparedCollate, SampleCounters
+from coordl._fetch.lookahead import lookahead_of
 from coordl._fetch.raw_datasets import raw_source
 from coordl._group.config import check_group_compatible, check_group_options
 from coordl._peer.locality import LocalityPlan, locality_plan
@@ -242,7 +243,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             object.__setattr__(self, "collate_fn", CountingCollate(user_collate, SampleCounters(num_workers + 1),
                                                                    batched=self._auto_collation))
         self._install(EpochLedger(wrapped, feed, group=group, cache_stats=self._cache_stats,
-                                  collate=self.collate_fn), plan)
+                                  collate=self.collate_fn, lookahead=lookahead_of(wrapped)), plan)
         self.epoch_ledger.follow_earlier_over(dataset.dataset if isinstance(dataset, CachedDataset) else dataset)
         hooks.loader_built(self)
 
@@ -339,7 +340,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if not isinstance(holder, (CachedDataset, CountingCollate)) or self.epoch_ledger.feed is not None:
             return
         if self.num_workers == 0 or not self.persistent_workers or self._iterator is None:
-            holder.counters = SampleCounters(self.num_workers + 1)
+            holder.counters = SampleCounters(len(holder.counters.table))  # its rows (the look-ahead's too)
 
     def _keep_room_for(self, batch) -> None:
         """Once: make a growing cache leave room in /dev/shm for torch's worker-to-main batches, measured
@@ -371,6 +372,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
         self._iterator = self._last_pass = None
+        self.epoch_ledger.close_reads()
         if self.epoch_ledger.feed is not None:
             self.epoch_ledger.stats()  # keep the group's last state
             self.epoch_ledger.feed.close()

@@ -3,6 +3,7 @@
 import dataclasses
 
 from coordl._cache.minio import CacheStats
+from coordl._core.settings import request_prices
 from coordl._group.membership import GroupStats
 
 
@@ -23,6 +24,13 @@ class EpochStats:
     read beside ``stall_s``, the time the training loop waited: None where it was not measured, when a
     torch DataLoader built from the loader's parts (Accelerate's, for one) ran the epoch, as only coordl's
     own iterator sees the loop's waits.
+
+    From an object store (``object_store``), ``misses`` are the GETs of torch's workers (a batch's at once)
+    and ``ahead`` (``ahead_bytes``) those of the look-ahead, which reads the plan's objects into the cache
+    before they are asked for; ``waits`` counts the hits that waited for a GET in flight (``wait_s`` long).
+    :attr:`gets`, :attr:`get_bytes`, :attr:`get_wait_s` and :attr:`lookahead_hits` sum them up. ``lists``
+    counts the LIST requests that looked for changes in the bucket before the epoch began; :attr:`request_cost`
+    prices the requests.
     """
 
     epoch: int
@@ -49,6 +57,38 @@ class EpochStats:
     storage_wait_s: float = 0.0
     peer_wait_s: float = 0.0
     prep_s: float = 0.0
+    waits: int = 0
+    wait_s: float = 0.0
+    ahead: int = 0
+    ahead_bytes: int = 0
+    lists: int = 0
+    object_store: bool = False
+
+    @property
+    def gets(self) -> int:
+        """Reads of the object store (or storage): torch's workers' and the look-ahead's."""
+        return self.misses + self.ahead
+
+    @property
+    def get_bytes(self) -> int:
+        return self.storage_bytes + self.ahead_bytes
+
+    @property
+    def get_wait_s(self) -> float:
+        """Seconds the loading processes spent on their own GETs and waiting for GETs in flight elsewhere."""
+        return self.storage_wait_s + self.wait_s
+
+    @property
+    def request_cost(self) -> float:
+        """The epoch's requests at the store's prices, in dollars (``COORDL_GET_PRICE``, ``COORDL_LIST_PRICE``:
+        dollars per 1,000 requests; S3 Standard's by default)."""
+        get_price, list_price = request_prices()
+        return (self.gets * get_price + self.lists * list_price) / 1000
+
+    @property
+    def lookahead_hits(self) -> int:
+        """Objects the look-ahead read that were there before they were asked for (its reads less the waits)."""
+        return max(0, self.ahead - self.waits)
 
     @property
     def samples_per_s(self) -> float:
@@ -67,6 +107,10 @@ class EpochStats:
                 f"storage_bytes={self.storage_bytes} stall_s={_seconds(self.stall_s, '.3f')} time_s={self.time_s:.3f} "
                 f"samples_per_s={self.samples_per_s:.1f} cache_fill={fill} storage_wait_s={self.storage_wait_s:.3f} "
                 f"prep_s={self.prep_s:.3f}")
+        if self.object_store:
+            line += (f" gets={self.gets} get_bytes={self.get_bytes} lists={self.lists} "
+                     f"lookahead_hits={self.lookahead_hits} waits={self.waits} get_wait_s={self.get_wait_s:.3f} "
+                     f"request_cost={self.request_cost:.6f}")
         if self.servers:
             line += (f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved} "
                      f"peer_wait_s={self.peer_wait_s:.3f}")
@@ -96,6 +140,8 @@ class LoaderStats:
                    ("samples/s", lambda e: f"{e.samples_per_s:.1f}"), ("hits", lambda e: str(e.hits)),
                    ("misses", lambda e: str(e.misses)), ("storage MiB", lambda e: f"{e.storage_bytes / 2**20:.1f}"),
                    ("stall s", lambda e: _seconds(e.stall_s, ".2f")), ("time s", lambda e: f"{e.time_s:.2f}")]
+        if self.total.object_store:
+            columns.insert(5, ("GETs", lambda e: str(e.gets)))
         if self.total.servers:
             columns.insert(5, ("peer hits", lambda e: str(e.peer_hits)))
         if self.total.group is not None:
@@ -112,7 +158,9 @@ class LoaderStats:
     def as_dict(self) -> dict:
         """Plain dict (JSON-serialisable), derived rates included."""
         def epoch_dict(e: EpochStats) -> dict:
-            return {**dataclasses.asdict(e), "samples_per_s": e.samples_per_s, "hit_rate": e.hit_rate}
+            return {**dataclasses.asdict(e), "samples_per_s": e.samples_per_s, "hit_rate": e.hit_rate,
+                    "gets": e.gets, "get_bytes": e.get_bytes, "get_wait_s": e.get_wait_s,
+                    "lookahead_hits": e.lookahead_hits, "request_cost": e.request_cost}
         cache = None if self.cache is None else {**dataclasses.asdict(self.cache),
                                                  "fill_fraction": self.cache.fill_fraction}
         group = None if self.group is None else dataclasses.asdict(self.group)
@@ -128,6 +176,7 @@ def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total`` (whose ``stall_s`` is None once an epoch's is)."""
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "time_s",
                   "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved", "storage_wait_s",
-                  "peer_wait_s", "prep_s"):
+                  "peer_wait_s", "prep_s", "waits", "wait_s", "ahead", "ahead_bytes", "lists"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))
+    total.object_store = total.object_store or epoch.object_store
     total.stall_s = None if total.stall_s is None or epoch.stall_s is None else total.stall_s + epoch.stall_s

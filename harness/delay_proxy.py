@@ -6,11 +6,14 @@
 Every chunk read from either side is handed on ``delay_s`` after it arrived, in order, so each direction
 adds ``delay_s`` (a request and its reply: twice that) without limiting throughput: chunks in flight are
 not waited for one by one. It runs an asyncio loop in a thread of its own and stops with :meth:`stop` (or
-the ``with`` block), closing every connection.
+the ``with`` block), closing every connection; :class:`DelayProxyProcess` runs one in a process of its own.
 """
 
 import asyncio
 import collections
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -108,3 +111,48 @@ class DelayProxy:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class DelayProxyProcess:
+    """A :class:`DelayProxy` in a process of its own (so its forwarding takes no CPU time from the process
+    measured), which ends when :meth:`stop` closes its stdin, or when this process dies."""
+
+    def __init__(self, target: tuple[str, int], delay_s: float):
+        self.target, self.delay_s, self.port = target, delay_s, 0
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> "DelayProxyProcess":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self._proc = subprocess.Popen([sys.executable, "-m", "harness.delay_proxy", self.target[0], str(self.target[1]),
+                                       repr(self.delay_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root,
+                                      text=True)
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.stop()
+            raise RuntimeError(f"the delay proxy did not start (it said {line!r})")
+        self.port = int(line)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc.stdout.close()
+        self._proc = None
+
+    def __enter__(self) -> "DelayProxyProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # python -m harness.delay_proxy HOST PORT DELAY_S: serves until stdin closes
+    with DelayProxy((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])) as proxy:
+        print(proxy.port, flush=True)
+        sys.stdin.read()

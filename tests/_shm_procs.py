@@ -168,5 +168,23 @@ def put_pausing_around_the_copy(cache_name: str, n_items: int, at_copy, go_copy,
     assert cache.put(last, item_payload(last, 64), (last, last, 64))
     cache.close()
 
+
+def claim_and_hold(cache_name: str, n_items: int, index: int, size: int, claimed, then: str, go) -> None:
+    """Claim item ``index`` for ``size`` bytes, set ``claimed``, wait for ``go``; ``then``: ``"fill"`` it with
+    ``item_payload(index, size)``, ``"release"`` it, or ``"hang"`` (wait to be killed)."""
+    cache = _cache(cache_name, n_items)
+    claim = cache.claim(index, size)
+    assert claim is not None
+    claimed.set()
+    assert go.wait(JOIN_TIMEOUT), "the test never let the claim go on"
+    if then == "fill":
+        assert cache.fill(claim, item_payload(index, size), (index, index, size))
+    elif then == "release":
+        cache.release(claim)
+    else:
+        _sleep_forever()
+    cache.close()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

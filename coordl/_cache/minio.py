@@ -18,7 +18,16 @@ One segment ``cdl_<token>_cache`` in the shm directory holds, in order:
     written by the user in ``slot``;
   * data (``capacity`` bytes, page aligned): item bytes, packed in insertion order. The first
     ``allocated`` bytes are really allocated; the rest is a hole that is allocated in chunks as the
-    fill reaches it (see NOTE [ Sizing ]).
+    fill reaches it (see NOTE [ Claims ]
+Where an item's size is known before its bytes are read (an object store's manifest gives it), a reader
+*claims* the item first (:meth:`MinIOCache.claim`: the reservation and ``status = -(slot + 1)`` above, no
+bytes yet), then reads it and fills the claim; everyone else who needs it meanwhile sees it in flight
+(:meth:`MinIOCache.in_flight`) and waits for it (:meth:`MinIOCache.wait`) rather than reading it again. The
+claim is taken under the mutex, so of any number of workers, look-aheads and jobs on the node exactly one
+reads each item. A claim released unfilled (the read failed, or brought another size) is orphaned, and a
+claimer that dies is a dead writer: its waiters stop waiting and read the item themselves.
+
+NOTE [ Sizing ]).
 
 NOTE [ Concurrency and crashes ]
 Writers take the segment's mutex only to reserve space: the cursor moves first (a crash leaks at
@@ -87,6 +96,15 @@ _STAMP_FIELDS = 2
 _CHUNK = 64 * 2**20
 _CHUNKS_PER_SHM = 64  # and at most this share of the shm file system per step
 _HANDLE_LOCKS = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """An item's reserved place, being written by this process (:meth:`MinIOCache.claim`)."""
+
+    index: int
+    offset: int
+    size: int
 
 
 def _reset_handle_locks() -> None:
@@ -417,23 +435,61 @@ class MinIOCache:
             Whether this call inserted it. A full cache freezes; after that only orphaned items (see
             NOTE [ Concurrency and crashes ]) are written, in place.
         """
+        claim = self.claim(index, len(data))
+        return claim is not None and self.fill(claim, data, stamp)
+
+    def claim(self, index: int, size: int) -> "Claim | None":
+        """Reserve item ``index``'s place for ``size`` bytes and mark it being written by this process, before
+        its bytes are read (see NOTE [ Claims ]); None where :meth:`put` would not insert it. Fill the claim
+        or :meth:`release` it."""
         views = self._ensure()
         state = int(views.status[index])
         if state == _READY or (views.header[_H_FROZEN] and state == _EMPTY):
-            return False
-        size = len(data)
+            return None
         with self._segment.locked(what=f"cache {self.name}"):  # see NOTE [ Concurrency and crashes ]
             offset = self._reserve(views, index, size)
             if offset is None:
-                return False
+                return None
             views.status[index] = -(self._slot + 1)
+        return Claim(index, offset, size)
+
+    def fill(self, claim: "Claim", data, stamp: tuple[int, int, int] | None = None) -> bool:
+        """Write and publish a claimed item's bytes; bytes of another size than claimed are not written (the
+        claim is released) and False returned."""
+        views = self._views
+        if len(data) != claim.size:
+            self.release(claim)
+            return False
         try:
-            self._write(views, index, offset, data, stamp)
+            self._write(views, claim.index, claim.offset, data, stamp)
         except BaseException:  # (a KeyboardInterrupt mid-copy): the space goes to the next writer of the item
-            views.status[index] = _ORPHANED
+            views.status[claim.index] = _ORPHANED
             raise
-        views.status[index] = _READY  # the publish: only now may a reader see the item
+        views.status[claim.index] = _READY  # the publish: only now may a reader see the item
         return True
+
+    def release(self, claim: "Claim") -> None:
+        """Give up a claim unfilled (its read failed): the next writer of the item rewrites its place."""
+        views = self._views
+        if views is not None and int(views.status[claim.index]) == -(self._slot + 1):
+            views.status[claim.index] = _ORPHANED
+
+    def in_flight(self, index: int) -> bool:
+        """Whether item ``index`` is claimed by a live process (this one included), its bytes on their way."""
+        state = int(self._ensure().status[index])
+        return state < 0 and (-state - 1 == self._slot or self._segment.slot_alive(-state - 1))
+
+    def wait(self, index: int, timeout_s: float) -> memoryview | None:
+        """Item ``index``'s bytes (a view, with :meth:`stamp` current) once the claim it is under is filled;
+        None at once if it is not in flight, or once its claim is released, its writer dies or ``timeout_s``
+        passes."""
+        deadline, delay = time.monotonic() + timeout_s, 0.0002
+        while True:
+            view = self.view(index)
+            if view is not None or not self.in_flight(index) or time.monotonic() >= deadline:
+                return view
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
 
     def _write(self, views: _Views, index: int, offset: int, data: bytes, stamp) -> None:
         """Copy item ``index``'s bytes to ``offset`` of the data area, then its stamp; unlocked, unpublished."""

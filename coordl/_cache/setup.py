@@ -19,6 +19,7 @@ from coordl._core.shm import free_shm_bytes, shm_dir, total_shm_bytes
 from coordl._core.sizes import format_bytes
 from coordl._core.sysinfo import available_memory_bytes
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
+from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._fetch.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
 from coordl._fetch.storage import FileStorage
 from coordl._peer.tier import PeerTier
@@ -65,7 +66,8 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     Args:
         capacity: the cache's size in bytes, None for ``"auto"``, 0 for no cache.
         decode: whether samples are decoded by the dataset's own code (False: the DALI backend decodes).
-        storage: where misses are read from (a ``coordl._fetch.storage.Storage``). Defaults to local files.
+        storage: where misses are read from (a ``coordl._fetch.storage.Storage``). Defaults to the dataset's
+            own (:func:`storage_of`: an object store's), else local files.
         partitioned: ``partitioned=`` of the loader (see ``partitioned.resolve``).
     """
     identity = peers = None
@@ -81,10 +83,13 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
             "." if iterable else "; to cache it, give it raw_key(i) (the file of item i) and decode_raw(i, raw) "
             "(the item from those bytes), or wrap its files in coordl.FileDataset."))
         return dataset
-    cache = None
+    cache, own = None, storage_of(source)
+    storage = storage if storage is not None else own
     if capacity != 0:
         if identity is None:
-            identity = dataset_identity(source, local=storage is None, content=cache_verify == "content")
+            named = getattr(source, "raw_identity", None)
+            identity = named() if named is not None else \
+                dataset_identity(source, local=storage is None, content=cache_verify == "content")
         cache = open_cache(dataset, source, identity, capacity, cache_name=cache_name)
     drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
     storage = storage if storage is not None else FileStorage(drop_page_cache=drop)
@@ -95,21 +100,38 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
         except BaseException:
             cache.close()
             raise
-    return CachedDataset(dataset, source, cache, storage, SampleCounters(num_workers + 1), identity, peers)
+    rows = num_workers + 1 + reads_concurrently(storage)  # the last one the look-ahead's (NOTE [ Look-ahead ])
+    return CachedDataset(dataset, source, cache, storage, SampleCounters(rows), identity, peers)
+
+
+def storage_of(source):
+    """The storage a source's keys are read from, where it names one (``raw_storage``: a dataset in an object
+    store), else None (files). A ``Subset``'s is its dataset's; a ``ConcatDataset``'s parts must share one."""
+    if isinstance(source, (SubsetSource, ConcatSource)):
+        storages = {id(storage): storage for storage in map(storage_of, source.parts)}
+        if len(storages) > 1:
+            raise TypeError(f"coordl cannot read a {type(source.dataset).__name__} whose datasets are in different "
+                            f"stores (local files, or other buckets or prefixes): concatenate datasets of one store")
+        return next(iter(storages.values()))
+    return getattr(source, "raw_storage", None)
 
 
 def _cache_label(dataset, source, cache_name: str | None) -> str:
     """What ``coordl cache ls`` says the cache holds, e.g. ``ImageFolder of 96 files in /data/train``,
     after ``cache_name:`` where one was given."""
-    what = f"{type(dataset).__name__} of {len(source)} files in {_folder(source)}"
+    folder = _folder(source)
+    what = f"{type(dataset).__name__} of {len(source)} {'objects' if '://' in folder else 'files'} in {folder}"
     return f"{cache_name}: {what}" if cache_name else what
 
 
 def _folder(source) -> str:
     """The absolute folder of a source's files: its dataset's ``root``, else its first file's folder; the
-    folder its parts share for a ``Subset`` or ``ConcatDataset``."""
+    folder its parts share for a ``Subset`` or ``ConcatDataset``; a dataset's URL in an object store."""
     if isinstance(source, (SubsetSource, ConcatSource)):
-        return os.path.commonpath([_folder(part) for part in source.parts if len(part)])
+        folders = [_folder(part) for part in source.parts if len(part)]
+        return folders[0] if "://" in folders[0] else os.path.commonpath(folders)
+    if getattr(source, "raw_storage", None) is not None:  # a dataset in an object store
+        return source.url
     root = getattr(getattr(source, "dataset", source), "root", None)
     return os.path.abspath(root or os.path.dirname(source.raw_key(0)))
 

@@ -76,3 +76,21 @@ and before warning about a live producer that publishes nothing."""
 
 LIVENESS_POLL_S = 1.0
 """How often a member waiting on another checks that it is still alive."""
+
+GET_PRICE_ENV, LIST_PRICE_ENV = "COORDL_GET_PRICE", "COORDL_LIST_PRICE"
+"""Environment variables: an object store's price of 1,000 GETs and of 1,000 LISTs, in dollars (what the
+epoch statistics' ``request_cost`` uses)."""
+GET_PRICE, LIST_PRICE = 0.0004, 0.005
+"""S3 Standard's prices of 1,000 GET and 1,000 LIST requests (us-east-1), the defaults."""
+
+
+def request_prices() -> tuple[float, float]:
+    """(GET, LIST) prices per 1,000 requests: the settings', else S3 Standard's; a ValueError names a bad one."""
+    prices = []
+    for name, default in ((GET_PRICE_ENV, GET_PRICE), (LIST_PRICE_ENV, LIST_PRICE)):
+        value = get(name)
+        try:
+            prices.append(default if value is None else float(value))
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a price in dollars per 1,000 requests") from None
+    return prices[0], prices[1]

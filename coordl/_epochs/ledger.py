@@ -22,6 +22,7 @@ import time
 import weakref
 
 from coordl._fetch.cached_dataset import CachedDataset, CountingCollate
+from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 
 summary_logger = logging.getLogger("coordl")
@@ -71,6 +72,7 @@ class EpochLedger:
         feed: the feed of prepared batches, or None (torch's fetcher makes the batches).
         group: the hp_group's name, for the statistics, or None.
         cache_stats: a function returning the cache's fill (or None).
+        lookahead: reads each pass's items into the cache ahead of the loop (``_fetch.lookahead``), or None.
 
     ``observed``: what an observer of the data path keeps with this ledger (``_core.hooks``); it travels
     with the ledger to other processes.
@@ -85,12 +87,13 @@ class EpochLedger:
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled (``ddp_spawn``'s processes): a loader re-created there over the same dataset follows it."""
-        self.__dict__.update({"collate": None, "_followers": [], **state})  # a ledger pickled before they were
+        self.__dict__.update({"collate": None, "lookahead": None, "_followers": [], **state})  # a ledger pickled before they were
         self.follow_earlier_over(self._users_dataset())
 
-    def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None):
+    def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None,
+                 lookahead=None):
         self.dataset, self.feed, self.group, self._cache_stats = dataset, feed, group, cache_stats
-        self.collate = collate
+        self.collate, self.lookahead = collate, lookahead
         self.observed: dict = {}
         self.epochs: list[EpochStats] = []
         self.current: _Running | None = None
@@ -130,20 +133,30 @@ class EpochLedger:
         """A pass starts: end the previous one (complete if its plan ran out), start an epoch; return the
         pass's plan."""
         self.end(complete=self.current is not None and self.current.exhausted)
-        peers = self._peers()
+        peers, storage = self._peers(), self._refreshed_storage()
         started = time.perf_counter()
+        lists = 0
+        if storage is not None and self.epochs:  # NOTE [ Changes in the bucket ] in _objects.storage
+            storage.start_refresh()
+            lists = storage.finish_refresh()
         if peers is not None:
             peers.begin_epoch(len(self.epochs) + 1)  # the servers' cache maps (partitioned)
         counters = self.counters()
         start = counters.totals() if counters else {}  # before the feed's producer starts fetching
         epoch = EpochStats(epoch=len(self.epochs) + 1, group=self.group,
-                           servers=peers.topology.nodes if peers is not None else 0)
+                           servers=peers.topology.nodes if peers is not None else 0,
+                           object_store=isinstance(self.dataset, CachedDataset) and
+                           reads_concurrently(self.dataset.storage))
         epoch.stall_s += time.perf_counter() - started
+        epoch.lists = lists
         plan = batches
         if self.feed is not None:
             started = time.perf_counter()
             plan = self.feed.begin(batches, _plan_ahead(owner))
             epoch.stall_s += time.perf_counter() - started  # waiting for the group's epoch to start
+        if self.lookahead is not None:
+            plan = list(plan)
+            self.lookahead.follow(plan, _plan_ahead(owner))
         self.current = _Running(epoch, owner, counters, start, self.feed.counters if self.feed is not None else None)
         return plan
 
@@ -153,6 +166,23 @@ class EpochLedger:
         if isinstance(self.dataset, CachedDataset):
             return self.dataset.counters
         return self.collate.counters if isinstance(self.collate, CountingCollate) else None
+
+    def close_reads(self) -> None:
+        """Stop the look-ahead and wait for a listing of the bucket under way: after the loader's close() no
+        request of its is in flight."""
+        if self.lookahead is not None:
+            self.lookahead.close()
+        storage = self._refreshed_storage()
+        if storage is not None:
+            storage.finish_refresh()
+
+    def _refreshed_storage(self):
+        """The dataset's storage where it lists its objects again at epoch boundaries (and there is a cache to keep
+        current), else None."""
+        if not isinstance(self.dataset, CachedDataset) or self.dataset.cache is None:
+            return None
+        storage = self.dataset.storage
+        return storage if callable(getattr(storage, "start_refresh", None)) else None
 
     def _peers(self):
         """The dataset's peer tier (partitioned caching), or None."""
@@ -171,6 +201,9 @@ class EpochLedger:
         if running is None or running.owner is not owner:
             return
         running.exhausted = True
+        storage = self._refreshed_storage()
+        if storage is not None:  # the last batches are in flight: list while they come
+            storage.start_refresh()
         if running.timed or owner.timed:
             return  # coordl's own iterator ends it at the last batch it delivers
         fetched = running.counters.totals()["samples"] - running.start["samples"] if running.counters else 0

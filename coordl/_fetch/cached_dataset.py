@@ -14,17 +14,21 @@ import torch.utils.data
 
 from coordl._cache.minio import MinIOCache
 from coordl._core.worker import exit_when_orphaned, own_row
+from coordl._fetch.concurrent_misses import read_misses, reads_concurrently
 from coordl._fetch.raw_datasets import RawBytesDataset
 from coordl._fetch.storage import Storage, stamper
 from coordl.exceptions import SampleError, reading_failed
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
-                  "storage_wait_ns", "peer_wait_ns", "prep_ns")
+                  "storage_wait_ns", "peer_wait_ns", "prep_ns", "waits", "wait_ns", "ahead", "ahead_bytes")
 """Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
 out of date, bytes from cache, bytes from storage, items and bytes fetched from peers' caches (partitioned);
-and the time spent reading storage, waiting for peers and preparing samples (decode and transform)."""
+the time spent reading storage, waiting for peers and preparing samples (decode and transform); the hits
+that waited for another reader's read in flight, and how long (``concurrent_misses``); items and bytes the
+look-ahead read (``_objects.lookahead``)."""
 (_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES, _STORAGE_NS, _PEER_NS,
- _PREP_NS) = range(len(COUNTER_FIELDS))
+ _PREP_NS, _WAITS, _WAIT_NS, _AHEAD, _AHEAD_BYTES) = range(len(COUNTER_FIELDS))
+_CONCURRENT_FIELDS = (_MISSES, _STORAGE_BYTES, _STORAGE_NS, _HITS, _CACHE_BYTES, _WAITS, _WAIT_NS)
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
 _OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "batch_hook"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
@@ -184,6 +188,10 @@ class CachedDataset(torch.utils.data.Dataset):
         raws = self.cached_many(indices, row, views)
         misses = [k for k, raw in enumerate(raws) if raw is None]
         if not misses:
+            return raws
+        if self.peers is None and reads_concurrently(self.storage):
+            for k, raw in zip(misses, read_misses(self, [indices[k] for k in misses], row, _CONCURRENT_FIELDS)):
+                raws[k] = raw
             return raws
         pending = None
         if self.peers is not None:

@@ -2,6 +2,8 @@
 :class:`ObjectImageFolder`, torchvision's ``ImageFolder`` over a prefix. Both are ``RawBytesDataset``s, so
 coordl caches their objects' bytes; read with a plain torch DataLoader they GET each object."""
 
+import hashlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -10,6 +12,12 @@ from coordl._fetch.raw_datasets import decode_image
 from coordl._objects.client import ObjectClient, split_url
 from coordl._objects.manifest import manifest_of
 from coordl._objects.storage import ObjectStorage
+
+LOOKAHEAD_RATE = 4000
+"""Objects a second the look-ahead is sized to sustain (what a node's training loop may take)."""
+LOOKAHEAD_MIN, LOOKAHEAD_MAX = 16, 128
+LOOKAHEAD_BYTES = 64 * 2**20
+"""The most bytes the look-ahead has in flight (its objects' mean size times its depth)."""
 
 
 class ObjectDataset(torch.utils.data.Dataset):
@@ -21,18 +29,28 @@ class ObjectDataset(torch.utils.data.Dataset):
         decode: turns an object's bytes into the sample (the bytes themselves by default).
         targets: one per object, or None.
         manifest: a path to keep the listing at: reused when it exists (no LIST), else written.
+        lookahead: objects a coordl loader keeps in flight ahead of the training loop (see ``_fetch.lookahead``
+            NOTE [ Look-ahead ]); ``"auto"`` sizes it from the store's latency (:func:`lookahead_depth`), 0
+            turns it off.
         endpoint_url, region: the store's (see ``coordl._objects.client`` NOTE [ Object store client ]).
 
-    Attributes: ``keys`` (the objects' keys), ``manifest``, ``storage`` (what coordl reads misses through).
+    Attributes: ``keys`` (the objects' keys), ``manifest``, ``raw_storage`` (what coordl reads them through).
     """
 
     def __init__(self, url: str, decode: Callable[[bytes], Any] | None = None, targets=None, *,
-                 manifest: str | None = None, endpoint_url: str | None = None, region: str | None = None):
+                 manifest: str | None = None, lookahead: int | str = "auto", endpoint_url: str | None = None,
+                 region: str | None = None):
         bucket, _ = split_url(url)
         client = ObjectClient(bucket, endpoint_url=endpoint_url, region=region)
         self.url, self.manifest = url, manifest_of(client, url, manifest)
         self.keys = self.manifest.keys
-        self.storage = ObjectStorage(client, self.manifest)
+        if lookahead == "auto":
+            lookahead = lookahead_depth(client.latency(self.keys[0]), sum(self.manifest.sizes) / len(self.keys))
+        elif not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ValueError(f"lookahead should be 'auto' or a number of objects >= 0, but got lookahead={lookahead!r}")
+        else:
+            client.latency(self.keys[0], probes=1)  # a clear error now, not in a worker
+        self.raw_storage = ObjectStorage(client, self.manifest, lookahead=lookahead)
         self.decode = decode
         if targets is not None and len(targets) != len(self.keys):
             raise ValueError(f"targets has {len(targets)} entries; {url} has {len(self.keys)} objects")
@@ -50,7 +68,22 @@ class ObjectDataset(torch.utils.data.Dataset):
         return sample if self.targets is None else (sample, self.targets[index])
 
     def __getitem__(self, index: int) -> Any:
-        return self.decode_raw(index, self.storage.read(self.raw_key(index)))
+        return self.decode_raw(index, self.raw_storage.read(self.raw_key(index)))
+
+    def raw_identity(self) -> bytes:
+        """What names this dataset's cache: its manifest (a changed bucket is another dataset) and the keys
+        of its samples, in order."""
+        digest = hashlib.blake2b(self.manifest.digest(), digest_size=32)
+        for key in self.keys:
+            digest.update(f"{key}\n".encode())
+        return digest.digest()
+
+
+def lookahead_depth(latency_s: float, object_bytes: float) -> int:
+    """Objects in flight that keep :data:`LOOKAHEAD_RATE` objects a second coming at ``latency_s`` a request,
+    within :data:`LOOKAHEAD_MIN`..:data:`LOOKAHEAD_MAX` and :data:`LOOKAHEAD_BYTES` in flight."""
+    depth = max(LOOKAHEAD_MIN, min(LOOKAHEAD_MAX, math.ceil(latency_s * LOOKAHEAD_RATE)))
+    return max(1, min(depth, int(LOOKAHEAD_BYTES // max(object_bytes, 1))))
 
 
 class ObjectImageFolder(ObjectDataset):
@@ -65,9 +98,9 @@ class ObjectImageFolder(ObjectDataset):
 
     def __init__(self, url: str, transform=None, target_transform=None, *,
                  is_valid_file: Callable[[str], bool] | None = None, manifest: str | None = None,
-                 endpoint_url: str | None = None, region: str | None = None):
+                 lookahead: int | str = "auto", endpoint_url: str | None = None, region: str | None = None):
         from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
-        super().__init__(url, manifest=manifest, endpoint_url=endpoint_url, region=region)
+        super().__init__(url, manifest=manifest, lookahead=lookahead, endpoint_url=endpoint_url, region=region)
         valid = is_valid_file or (lambda name: has_file_allowed_extension(name, IMG_EXTENSIONS))
         _, prefix = split_url(url)
         start = len(prefix) if not prefix or prefix.endswith("/") else len(prefix) + 1

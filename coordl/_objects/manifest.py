@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 
 from coordl._objects.client import ObjectClient, split_url
@@ -32,18 +33,14 @@ class Manifest:
 
     @classmethod
     def list(cls, client: ObjectClient, url: str) -> "Manifest":
-        """List every object under ``url`` now (saying how far it got, for a large prefix)."""
+        """List every object under ``url`` now (its first-level prefixes at once; saying how far it got, for a
+        large prefix)."""
         _, prefix = split_url(url)
         client.check(prefix)
-        keys, sizes, etags, started = [], [], [], time.monotonic()
-        for key, size, etag in client.list(prefix):
-            if key.endswith("/"):  # a folder marker, not an object of the dataset
-                continue
-            keys.append(key), sizes.append(size), etags.append(etag)
-            if len(keys) % PROGRESS_EVERY == 0:
-                logger.info("listed %d objects under %s (%.0f s)", len(keys), url, time.monotonic() - started)
-        if not keys:
+        objects = [entry for entry in list_objects(client, url) if not entry[0].endswith("/")]  # no folder markers
+        if not objects:
             raise FileNotFoundError(f"no objects under {url} ({client.where()})")
+        keys, sizes, etags = (list(column) for column in zip(*objects))
         return cls(url, keys, sizes, etags)
 
     @classmethod
@@ -67,6 +64,19 @@ class Manifest:
         for key, size, etag in zip(self.keys, self.sizes, self.etags):
             digest.update(f"{key}\0{size}\0{etag}\n".encode())
         return digest.digest()
+
+
+def list_objects(client: ObjectClient, url: str) -> list[tuple[str, int, str]]:
+    """Every object under ``url`` (``ObjectClient.list_tree``), logging progress every :data:`PROGRESS_EVERY`."""
+    _, prefix = split_url(url)
+    started, count, lock = time.monotonic(), [0], threading.Lock()
+
+    def listed(n: int) -> None:
+        with lock:
+            before, count[0] = count[0], count[0] + n
+        if before // PROGRESS_EVERY != count[0] // PROGRESS_EVERY:
+            logger.info("listed %d objects under %s (%.0f s)", count[0], url, time.monotonic() - started)
+    return client.list_tree(prefix, listed=listed)[0]
 
 
 def manifest_of(client: ObjectClient, url: str, path: str | None) -> Manifest:

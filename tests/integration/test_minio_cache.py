@@ -249,3 +249,47 @@ def test_an_insert_interrupted_mid_copy_leaves_its_space_to_the_next_writer():
         cache._write = write
         assert cache.get(0) is None and cache.put(0, b"y" * 100) and cache.get(0) == b"y" * 100
         assert cache.stats().items_cached == 1
+
+
+@pytest.mark.parametrize("then", ["fill", "release", "die"])
+def test_an_item_claimed_by_another_process_is_waited_for_not_written_until_filled_released_or_its_writer_dies(
+        tmp_path, then):
+    """NOTE [ Claims ], forced: another process claims an item and holds it; here it is in flight (not cached,
+    not claimable, not insertable) and a wait blocks; then the claimer fills it (the wait returns its bytes),
+    releases it or is killed (the wait returns None and the item can be written here)."""
+    name, n_items, size = _name(), 4, 64
+    claimed, go = FileEvent(tmp_path), FileEvent(tmp_path)
+    with MinIOCache(name, n_items=n_items, capacity_bytes=1 << 16, fingerprint=_shm_procs.FINGERPRINT,
+                    label="shm-core test") as cache:
+        claimer = _procs.spawn(_shm_procs.claim_and_hold, name, n_items, 2, size, claimed, then.replace("die", "hang"),
+                               go)
+        try:
+            assert claimed.wait(_procs.JOIN_TIMEOUT), "the claimer never claimed"
+            assert cache.in_flight(2) and not cache.in_flight(1)
+            assert cache.view(2) is None and cache.claim(2, size) is None and not cache.put(2, b"x" * size)
+            assert cache.wait(2, timeout_s=0.2) is None and cache.in_flight(2)  # still in flight: timed out
+            if then == "die":
+                claimer.kill()
+                claimer.join(_procs.JOIN_TIMEOUT)
+            else:
+                go.set()
+            view = cache.wait(2, timeout_s=_procs.JOIN_TIMEOUT)
+        finally:
+            go.set()
+            if then != "die":
+                _procs.join_ok(claimer)
+        assert not cache.in_flight(2)
+        if then == "fill":
+            assert bytes(view) == _procs.item_payload(2, size) and cache.stamp(2) == (2, 2, size)
+        else:
+            assert view is None
+            assert cache.put(2, b"y" * size) and cache.get(2) == b"y" * size  # rewritten in place
+
+
+def test_a_claim_filled_with_bytes_of_another_size_is_released_and_the_item_stays_uncached():
+    with MinIOCache(_name(), n_items=3, capacity_bytes=1 << 16, fingerprint=bytes(32)) as cache:
+        claim = cache.claim(0, 10)
+        assert cache.in_flight(0) and cache.claim(0, 10) is None  # one claim per item, this process's too
+        assert not cache.fill(claim, b"z" * 11)
+        assert not cache.in_flight(0) and cache.get(0) is None
+        assert cache.put(0, b"z" * 10) and cache.get(0) == b"z" * 10

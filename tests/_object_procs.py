@@ -1,0 +1,19 @@
+"""Process targets for the object-store tests (module level: picklable for ``_procs.spawn``)."""
+
+from tests._procs import JOIN_TIMEOUT
+
+
+def read_an_epoch_and_report(url: str, seed: int, barrier, results) -> None:
+    """A job: an ``ObjectImageFolder`` over ``url`` read for one epoch (2 workers, shuffled by ``seed``) once
+    every job is at ``barrier``; reports its epoch's GETs, hits and misses, and every sample's target."""
+    import torch
+
+    import coordl
+    dataset = coordl.ObjectImageFolder(url)
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2, cache_bytes=10**8,
+                               generator=torch.Generator().manual_seed(seed), collate_fn=lambda batch: batch)
+    barrier.wait(JOIN_TIMEOUT)
+    targets = sorted(target for batch in loader for _, target in batch)
+    epoch = loader.stats().epochs[0]
+    loader.close()
+    results.put((epoch.gets, epoch.hits, epoch.misses, targets))
