@@ -58,6 +58,7 @@ CLAIMS = (
     Claim("results/analyzer", ANALYZER),
     Claim("results/knees", ANALYZER + ("benchmarks/knees.py",)),
     Claim("results/analyzer-heldout", ANALYZER + ("benchmarks/heldout.py",)),
+    Claim("results/objectstore", _data_path_and("objectstore", "metrics", "report")),
     Claim("results/torch-suite", (*DATA_PATH, "tools/torch_dataloader_suite.py")),
 )
 

@@ -27,7 +27,9 @@ class EpochStats:
 
     From an object store (``object_store``), ``misses`` are the GETs of torch's workers (a batch's at once)
     and ``ahead`` (``ahead_bytes``) those of the look-ahead, which reads the plan's objects into the cache
-    before they are asked for; ``waits`` counts the hits that waited for a GET in flight (``wait_s`` long).
+    before they are asked for, or, what the cache has no room for, into a staging area that torch's workers
+    take them out of (``staged``, counted apart from ``hits`` and ``misses``); ``waits`` counts the samples
+    that waited for a GET in flight (``wait_s`` long).
     :attr:`gets`, :attr:`get_bytes`, :attr:`get_wait_s` and :attr:`lookahead_hits` sum them up. ``lists``
     counts the LIST requests that looked for changes in the bucket before the epoch began; :attr:`request_cost`
     prices the requests.
@@ -61,6 +63,7 @@ class EpochStats:
     wait_s: float = 0.0
     ahead: int = 0
     ahead_bytes: int = 0
+    staged: int = 0
     lists: int = 0
     object_store: bool = False
 
@@ -109,7 +112,7 @@ class EpochStats:
                 f"prep_s={self.prep_s:.3f}")
         if self.object_store:
             line += (f" gets={self.gets} get_bytes={self.get_bytes} lists={self.lists} "
-                     f"lookahead_hits={self.lookahead_hits} waits={self.waits} get_wait_s={self.get_wait_s:.3f} "
+                     f"lookahead_hits={self.lookahead_hits} staged={self.staged} waits={self.waits} get_wait_s={self.get_wait_s:.3f} "
                      f"request_cost={self.request_cost:.6f}")
         if self.servers:
             line += (f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved} "
@@ -176,7 +179,7 @@ def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total`` (whose ``stall_s`` is None once an epoch's is)."""
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "time_s",
                   "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved", "storage_wait_s",
-                  "peer_wait_s", "prep_s", "waits", "wait_s", "ahead", "ahead_bytes", "lists"):
+                  "peer_wait_s", "prep_s", "waits", "wait_s", "ahead", "ahead_bytes", "staged", "lists"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))
     total.object_store = total.object_store or epoch.object_store
     total.stall_s = None if total.stall_s is None or epoch.stall_s is None else total.stall_s + epoch.stall_s

@@ -20,17 +20,18 @@ from coordl._fetch.storage import Storage, stamper
 from coordl.exceptions import SampleError, reading_failed
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
-                  "storage_wait_ns", "peer_wait_ns", "prep_ns", "waits", "wait_ns", "ahead", "ahead_bytes")
+                  "storage_wait_ns", "peer_wait_ns", "prep_ns", "waits", "wait_ns", "ahead", "ahead_bytes", "staged")
 """Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
 out of date, bytes from cache, bytes from storage, items and bytes fetched from peers' caches (partitioned);
 the time spent reading storage, waiting for peers and preparing samples (decode and transform); the hits
 that waited for another reader's read in flight, and how long (``concurrent_misses``); items and bytes the
-look-ahead read (``_objects.lookahead``)."""
+look-ahead read (``_fetch.lookahead``), and the items taken from its overflow (``_fetch.overflow``)."""
 (_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES, _STORAGE_NS, _PEER_NS,
- _PREP_NS, _WAITS, _WAIT_NS, _AHEAD, _AHEAD_BYTES) = range(len(COUNTER_FIELDS))
-_CONCURRENT_FIELDS = (_MISSES, _STORAGE_BYTES, _STORAGE_NS, _HITS, _CACHE_BYTES, _WAITS, _WAIT_NS)
+ _PREP_NS, _WAITS, _WAIT_NS, _AHEAD, _AHEAD_BYTES, _STAGED) = range(len(COUNTER_FIELDS))
+_CONCURRENT_FIELDS = (_MISSES, _STORAGE_BYTES, _STORAGE_NS, _HITS, _CACHE_BYTES, _WAITS, _WAIT_NS, _STAGED)
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
-_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "batch_hook"))
+_OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "batch_hook",
+                  "overflow"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
@@ -128,6 +129,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.peers = peers
         self.feed = None
         self.batch_hook = None
+        self.overflow = None  # the look-ahead's, where the cache cannot hold the dataset (``_fetch.overflow``)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -136,8 +138,10 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def unfed(self) -> "CachedDataset":
         """The same fetch path without the feed: what prepares the feed's batches loads through it."""
-        return CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.identity,
-                             self.peers)
+        unfed = CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.identity,
+                              self.peers)
+        unfed.overflow = self.overflow
+        return unfed
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -1,7 +1,8 @@
 """A batch's misses from a storage that serves many reads at once and knows each item's size before reading
 it (an object store, whose manifest gives the sizes): claimed in the node's cache, read concurrently, and
 waited for where another reader on the node has them in flight (see minio_cache NOTE [ Claims ]): served
-from the cache then, and counted as hits and as ``waits``.
+from the cache then, and counted as hits and as ``waits``. Those the cache has no room for are taken from
+the look-ahead's overflow where it staged them (``_fetch.overflow``), counted ``staged``.
 
 Such a storage defines ``size(key) -> int | None`` (None: not to be cached, e.g. changed since it was listed)
 and ``concurrency`` (reads in flight per process) beside
@@ -10,6 +11,7 @@ makes its own).
 """
 
 import concurrent.futures
+import itertools
 import os
 import threading
 import time
@@ -43,10 +45,11 @@ def pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[bytes]:
     """The bytes of ``indices``, none of them cached when asked: each claimed and read here (concurrently)
-    then filled, or, where another reader has it in flight, waited for. ``fields``: the counter row's
-    columns (misses, storage_bytes, storage_wait_ns, hits, cache_bytes, waits, wait_ns)."""
-    misses, storage_bytes, storage_ns, hits, cache_bytes, waits, wait_ns = fields
-    cache, storage, source = dataset.cache, dataset.storage, dataset.source
+    then filled, or, where another reader has it in flight, waited for, or taken from the overflow.
+    ``fields``: the counter row's columns (misses, storage_bytes, storage_wait_ns, hits, cache_bytes, waits,
+    wait_ns, staged)."""
+    misses, storage_bytes, storage_ns, hits, cache_bytes, waits, wait_ns, staged = fields
+    cache, storage, source, overflow = dataset.cache, dataset.storage, dataset.source, dataset.overflow
     keys = [source.raw_key(index) for index in indices]
     out: list = [None] * len(indices)
     claims: dict[int, object] = {}
@@ -68,12 +71,33 @@ def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[by
             to_read.append(k)
         started = time.perf_counter_ns()
         read = _reader(storage, keys, indices)
-        for k, (raw, stamp) in zip(to_read, pool(storage.concurrency).map(read, to_read)):
+        waited_ns = 0
+        if overflow is not None and cache is not None:  # what the cache had no room for, staged ahead
+            unclaimed = [k for k in to_read if k not in claims]
+            to_read = [k for k in to_read if k in claims]
+            results = pool(storage.concurrency).map(read, to_read)  # under way while the overflow is looked at
+            rest = []
+            for k in unclaimed:
+                taken = overflow.take(indices[k])
+                if taken is None or taken[1] != storage.stamp(keys[k]):  # not staged, or changed since
+                    rest.append(k)
+                    continue
+                out[k] = taken[0]
+                row[staged] += 1
+                if taken[2] > 0.001:  # waited for it to arrive
+                    row[waits] += 1
+                    waited_ns += int(taken[2] * 1e9)
+            results = itertools.chain(results, pool(storage.concurrency).map(read, rest))
+            to_read += rest
+        else:
+            results = pool(storage.concurrency).map(read, to_read)
+        for k, (raw, stamp) in zip(to_read, results):
             out[k] = raw
             claim = claims.pop(k, None)
             if claim is not None and (stamp is None or not cache.fill(claim, raw, stamp)):
                 cache.release(claim)
-        row[storage_ns] += time.perf_counter_ns() - started
+        row[storage_ns] += time.perf_counter_ns() - started - waited_ns
+        row[wait_ns] += waited_ns
         row[misses] += len(to_read)
         row[storage_bytes] += sum(len(out[k]) for k in to_read)
     finally:

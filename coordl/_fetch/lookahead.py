@@ -4,11 +4,14 @@ training loop, from a storage whose reads are slow one by one but many can be in
 NOTE [ Look-ahead ]
 The training process knows each pass's whole plan when it starts (the ledger's ``begin``), and the next
 pass's first batches before this one ends (``plan_ahead``, NOTE [ Planning ahead ] in ``batch_sampler``).
-``depth`` threads walk that order, each claiming the next item not yet cached or in flight (minio_cache NOTE
-[ Claims ]), reading it and filling the claim; torch's workers, asked for the item later, find it cached
-or wait for it in flight (``concurrent_misses``), so no item is read twice on the node. The look-ahead
-stops claiming once the cache is full, for the rest of the pass: items beyond the cache are read by the
-workers, a batch's misses at once.
+``depth`` threads walk that order (the next pass's items once this pass's reads are done, so a read is
+for the pass it is counted in), each taking the next item, claiming it in the cache unless it is cached
+or in flight there (minio_cache NOTE [ Claims ]), reading it and filling the claim; torch's workers, asked
+for the item later, find it cached or wait for it in flight (``concurrent_misses``), so no item is read
+twice on the node. Once the cache is full, the items it has no room for go to the overflow (``_fetch.overflow``
+NOTE [ Overflow ]: slots in shared memory, each item taken out by the worker that asks for it), so later
+epochs at a partial cache are read ahead too; a thread that finds every slot taken waits for the loop
+to take one (one of them polls; the others wait on it).
 
 Its threads hold this state, not the loader, so a dropped loader stops them (``weakref.finalize``). A
 fork (torch starting the next epoch's workers while they read) waits for their requests in flight
@@ -18,23 +21,29 @@ fork (torch starting the next epoch's workers while they read) waits for their r
 import logging
 import os
 import threading
+import time
 import weakref
 
 from coordl._fetch.cached_dataset import COUNTER_FIELDS, CachedDataset
 from coordl._fetch.concurrent_misses import reads_concurrently
+from coordl._fetch.overflow import SKIP, overflow_for
 
 logger = logging.getLogger(__name__)
 _AHEAD, _AHEAD_BYTES = COUNTER_FIELDS.index("ahead"), COUNTER_FIELDS.index("ahead_bytes")
+POLL_S = 0.002
+"""How often a thread waiting for an overflow slot looks for one (the workers free them, in other processes)."""
 
 
 def lookahead_of(dataset) -> "LookAhead | None":
     """The look-ahead of a loader over ``dataset`` (the loader's): where it caches, alone on its server (no
-    peers), from a storage that reads concurrently and asks for one (``storage.lookahead`` > 0)."""
+    peers), from a storage that reads concurrently and asks for one (``storage.lookahead`` > 0). Gives
+    ``dataset`` its overflow where the cache cannot hold all of ``storage.sizes()``."""
     if not isinstance(dataset, CachedDataset) or dataset.cache is None or dataset.peers is not None:
         return None
     storage = dataset.storage
     if not reads_concurrently(storage) or getattr(storage, "lookahead", 0) <= 0:
         return None
+    dataset.overflow = overflow_for(storage.sizes(), storage.lookahead, dataset.cache)
     return LookAhead(dataset, storage.lookahead, row=len(dataset.counters.table) - 1)
 
 
@@ -74,14 +83,23 @@ class _Walk:
         self.dataset, self.depth, self.row_index = dataset, depth, row
         self.changed = threading.Condition()
         self.plan, self.cursor, self.ahead = [], 0, None
-        self.stopped = False
+        self.pass_no, self.boundary = 0, 0  # the pass the plan is, and where the next one's items start in it
+        self.stopped, self.polling = False, False
         self.reading = 0
         self.counting = threading.Lock()
+        self.pending = [0, 0]  # items and bytes read for the next pass, counted once it begins
         self.threads: list[threading.Thread] = []
 
     def follow(self, plan: list[int], ahead) -> None:
         with self.changed:
             self.plan, self.cursor, self.ahead = plan, 0, ahead
+            self.pass_no += 1
+            self.boundary = len(plan)
+            if self.dataset.overflow is not None:
+                self.dataset.overflow.begin(self.pass_no)
+            with self.counting:
+                self._add(*self.pending)
+                self.pending = [0, 0]
             self.changed.notify_all()
             if not self.threads and not self.stopped:
                 self.threads = [threading.Thread(target=self._run, name=f"coordl-lookahead-{k}", daemon=True)
@@ -94,8 +112,8 @@ class _Walk:
             self.stopped = True
             self.changed.notify_all()
 
-    def _next(self) -> int | None:
-        """The next item to claim, waiting for a plan; None once stopped."""
+    def _next(self) -> tuple[int, int] | None:
+        """The next item to claim and the pass it is of, waiting for a plan; None once stopped."""
         with self.changed:
             while True:
                 if self.stopped:
@@ -103,9 +121,9 @@ class _Walk:
                 if self.cursor < len(self.plan):
                     self.cursor += 1
                     self.reading += 1
-                    return self.plan[self.cursor - 1]
-                if self.ahead is not None:  # the next pass's first batches, across the boundary
-                    ahead, self.ahead = self.ahead, None
+                    return self.plan[self.cursor - 1], self.pass_no + (self.cursor > self.boundary)
+                if self.ahead is not None and not self.reading:  # the next pass's first batches, across the
+                    ahead, self.ahead = self.ahead, None  # boundary, once this pass's reads are done
                     self.plan = self.plan + _flat(ahead(max(1, self.depth)))
                     continue
                 self.changed.wait()
@@ -113,28 +131,34 @@ class _Walk:
     def _done(self, full: bool) -> None:
         with self.changed:
             self.reading -= 1
-            if full:  # nothing more fits: the rest of this plan is the workers'
+            if not self.reading:
+                self.changed.notify_all()
+            if full:  # nothing more fits, and there is no overflow: the rest of this plan is the workers'
                 self.cursor, self.ahead = len(self.plan), None
-            self.changed.notify_all()
 
     def _run(self) -> None:
-        while (index := self._next()) is not None:
+        while (item := self._next()) is not None:
             full = False
             try:
-                full = self._read(index)
+                full = self._read(*item)
             except Exception as e:  # the worker that needs it reads it and says what went wrong
-                logger.debug("coordl look-ahead: item %d: %s", index, e)
+                logger.debug("coordl look-ahead: item %d: %s", item[0], e)
             finally:
                 self._done(full)
 
-    def _read(self, index: int) -> bool:
-        """Claim, read and fill item ``index``; whether the cache is full."""
+    def _read(self, index: int, pass_no: int) -> bool:
+        """Claim, read and fill item ``index`` of pass ``pass_no`` (in the cache, else in the overflow); whether
+        the cache is full with no overflow."""
         dataset = self.dataset
         cache, storage, key = dataset.cache, dataset.storage, dataset.source.raw_key(index)
         size = storage.size(key)
         claim = cache.claim(index, size) if size is not None else None
         if claim is None:
-            return cache.full
+            if dataset.overflow is None or size is None:
+                return cache.full and dataset.overflow is None
+            if cache.view(index) is not None or cache.in_flight(index):
+                return False
+            return self._stage(index, size, key, pass_no)
         try:
             raw, stamp = storage.read_stamped(key)
         except BaseException:
@@ -142,11 +166,64 @@ class _Walk:
             raise
         if stamp is None or not cache.fill(claim, raw, stamp):
             cache.release(claim)
-        with self.counting:
-            row = dataset.counters.table.numpy()[self.row_index]
-            row[_AHEAD] += 1
-            row[_AHEAD_BYTES] += len(raw)
+        self._count(raw, pass_no)
         return False
+
+    def _stage(self, index: int, size: int, key: str, pass_no: int) -> bool:
+        """Read item ``index`` into an overflow slot, once one is free (False: the cache is not the limit)."""
+        overflow = self.dataset.overflow
+        slot = self._slot(index, size, pass_no)
+        if slot is None or slot == SKIP:
+            return False
+        try:
+            raw, stamp = self.dataset.storage.read_stamped(key)
+        except BaseException:
+            overflow.release(slot)
+            raise
+        if stamp is None or len(raw) != size:
+            overflow.release(slot)
+        else:
+            overflow.fill(slot, raw, stamp)
+        self._count(raw, pass_no)
+        return False
+
+    def _slot(self, index: int, size: int, pass_no: int) -> int | None:
+        """An overflow slot claimed for the item (or SKIP), waiting while all are taken; None if the walk
+        stopped or moved past the pass meanwhile."""
+        overflow = self.dataset.overflow
+        with self.changed:
+            while True:
+                if self.stopped or pass_no < self.pass_no:
+                    return None
+                slot = overflow.claim(index, size, pass_no)
+                if slot is not None:
+                    return slot
+                if self.polling:
+                    self.changed.wait()
+                    continue
+                self.polling = True
+                self.changed.release()
+                try:
+                    time.sleep(POLL_S)
+                finally:
+                    self.changed.acquire()
+                    self.polling = False
+                self.changed.notify(max(1, overflow.free_slots()))
+
+    def _count(self, raw: bytes, pass_no: int) -> None:
+        """Count a read in the epoch it is for: one of the next pass's first batches once that pass begins (a
+        pass that never begins: not at all)."""
+        with self.counting:
+            if pass_no > self.pass_no:
+                self.pending[0] += 1
+                self.pending[1] += len(raw)
+            else:
+                self._add(1, len(raw))
+
+    def _add(self, items: int, nbytes: int) -> None:
+        row = self.dataset.counters.table.numpy()[self.row_index]
+        row[_AHEAD] += items
+        row[_AHEAD_BYTES] += nbytes
 
 
 def _flat(batches) -> list[int]:

@@ -112,6 +112,10 @@ class ObjectStorage:
         stamp = self.stamp(key)
         return None if stamp is None else stamp[2]
 
+    def sizes(self) -> list[int]:
+        """Every object's size in the manifest (what sizes the look-ahead's overflow)."""
+        return self.manifest.sizes
+
     def read(self, key: str) -> bytes:
         return self.read_stamped(key)[0]
 

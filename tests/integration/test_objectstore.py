@@ -242,6 +242,31 @@ def test_four_jobs_reading_one_prefix_on_a_node_get_each_object_once_in_all(buck
 
 
 @pytest.mark.slow
+def test_at_a_partial_cache_a_later_epochs_uncached_objects_are_read_ahead_and_taken_out_once(far_bucket, gets):
+    """Half the dataset fits. The loop takes epoch 2's first batch half a second late: by then the look-ahead
+    has read the uncached objects in the sampler's order into its overflow, as many as it holds, and the
+    workers take them out as they come to them; each object read once an epoch, every GET counted."""
+    server, url = far_bucket
+    dataset = ObjectImageFolder(url, transform=TINY)
+    loader = coordl.DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
+                               cache_bytes=sum(dataset.manifest.sizes) // 2)
+    first = [t for _, targets in loader for t in targets.tolist()]
+    batches = iter(loader)
+    time.sleep(0.5)
+    second = [t for _, targets in batches for t in targets.tolist()]
+    stats, walk = loader.stats(), loader.epoch_ledger.lookahead._walk
+    loader.close()
+    epoch, uncached = stats.epochs[1], len(dataset) - stats.cache.items_cached
+    assert sorted(first) == sorted(second) == sorted(dataset.targets)
+    assert stats.epochs[0].gets == len(dataset) and epoch.gets == uncached and 0 < uncached < len(dataset)
+    assert epoch.hits == len(dataset) - uncached and epoch.staged + epoch.misses == uncached
+    asked_at_once = 2 * 2 * 8  # workers x prefetch_factor x batch_size
+    assert epoch.staged >= uncached - asked_at_once, epoch
+    assert sum(gets().values()) == stats.epochs[0].gets + epoch.gets + walk.pending[0]  # + epoch 3's first ones
+    assert max(gets().values()) <= 3
+
+
+@pytest.mark.slow
 def test_the_lookahead_reads_the_plan_before_torch_asks_so_the_workers_wait_little(far_bucket, gets):
     """20 ms a GET. The training loop takes its first batch half a second late: torch's 2 workers have asked for
     their first 4 batches by then, and the look-ahead has read the rest of the epoch in the sampler's order,

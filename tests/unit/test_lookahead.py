@@ -13,12 +13,15 @@ from coordl._cache.minio import MinIOCache, cache_segment_name
 from coordl._fetch.cached_dataset import COUNTER_FIELDS, CachedDataset, SampleCounters
 from coordl._fetch.concurrent_misses import read_misses
 from coordl._fetch.lookahead import LookAhead, lookahead_of
+from coordl._fetch.overflow import SKIP, Overflow
 from coordl._objects.client import Gate
 from coordl._objects.datasets import lookahead_depth
 from coordl.stats import EpochStats
 from coordl.exceptions import SampleError
 
 SIZE = 32
+_FIELDS = [COUNTER_FIELDS.index(f) for f in ("misses", "storage_bytes", "storage_wait_ns", "hits", "cache_bytes", "waits",
+                                             "wait_ns", "staged")]
 
 
 class HeldStorage:
@@ -33,6 +36,9 @@ class HeldStorage:
 
     def size(self, key):
         return SIZE
+
+    def sizes(self):
+        return [SIZE] * 12
 
     def read_stamped(self, key):
         assert self.held.wait(30)
@@ -99,22 +105,104 @@ def test_the_walk_reads_the_plan_in_order_then_the_next_passs_first_batches_each
     asked = []
     lookahead.follow(plan, lambda n: asked.append(n) or following[:n])
     _walk_until_idle(lookahead._walk)
-    lookahead.close()
     assert asked == [1]  # as many batches of the next pass as the look-ahead's depth
     assert dataset.storage.reads == [f"key-{i}" for i in (5, 1, 7, 3, 0)]  # 3 is cached by then: not read again
+    assert _counted(dataset, "ahead") == 4  # the next pass's read counts in it, once it begins
+    dataset.storage.held.clear()
+    lookahead.follow(following, None)
     assert _counted(dataset, "ahead") == 5 and _counted(dataset, "ahead_bytes") == 5 * SIZE
+    dataset.storage.held.set()
+    lookahead.close()
     assert all(dataset.cache.get(i) is not None for i in (5, 1, 7, 3, 0))
 
 
-def test_the_walk_stops_claiming_once_the_cache_is_full(fetch_path):
+def test_the_walk_stops_claiming_once_the_cache_is_full_where_it_has_no_overflow(fetch_path):
     dataset = fetch_path(items_fit=4)
     lookahead = lookahead_of(dataset)
+    dataset.overflow = None
     lookahead.depth = 1
     lookahead.follow([list(range(12))], None)
     _walk_until_idle(lookahead._walk)
     lookahead.close()
     assert dataset.storage.reads == [f"key-{i}" for i in range(4)]  # the fifth's claim froze the cache
     assert dataset.cache.full
+
+
+def test_once_the_cache_is_full_the_rest_is_staged_at_most_its_slots_ahead_and_each_item_read_once(fetch_path):
+    dataset = fetch_path(items_fit=4)
+    lookahead = lookahead_of(dataset)
+    assert isinstance(dataset.overflow, Overflow) and dataset.overflow.slots == 6  # twice the depth (3)
+    lookahead.depth = 1
+    dataset.overflow = Overflow(12, 2, SIZE)  # two slots: the walk may run two uncached items ahead
+    lookahead.follow([list(range(12))], None)
+    _until(lambda: len(dataset.storage.reads) == 6)
+    time.sleep(0.1)  # and no further, while nobody takes a staged item
+    assert dataset.storage.reads == [f"key-{i}" for i in range(6)] and dataset.overflow.free_slots() == 0
+    raws = read_misses(dataset, [4, 5, 6, 7], dataset.counters.row(), _FIELDS)  # a worker's batch
+    assert raws == [f"key-{i}".encode().ljust(SIZE, b".") for i in (4, 5, 6, 7)]
+    lookahead.close()
+    assert [dataset.storage.reads.count(f"key-{i}") for i in range(8)] == [1] * 8  # 6 and 7: by one of the two
+    assert (_counted(dataset, "staged") + _counted(dataset, "misses"), _counted(dataset, "hits")) == (4, 0)
+    assert _counted(dataset, "staged") >= 2 and dataset.cache.get(5) is None  # staged, not cached
+
+
+def test_an_overflow_slot_goes_through_its_states_and_a_pass_frees_the_last_ones():
+    overflow = Overflow(8, 2, 16)
+    overflow.begin(1)
+    assert overflow.claim(3, 17, 1) == SKIP  # larger than a slot
+    first = overflow.claim(3, 5, 1)
+    assert overflow.claim(3, 5, 1) == SKIP  # being written already
+    second = overflow.claim(4, 5, 1)
+    assert {first, second} == {0, 1} and overflow.claim(5, 5, 1) is None  # every slot taken
+    overflow.fill(first, b"three", (1, 2, 5))
+    assert overflow.take(3) == (b"three", (1, 2, 5), pytest.approx(0, abs=0.5))
+    assert overflow.take(3) is None and overflow.free_slots() == 1  # read once
+    assert overflow.claim(3, 5, 1) == SKIP  # asked for in this pass: the worker read it
+    threading.Timer(0.2, overflow.fill, (second, b"four!", (1, 2, 5))).start()
+    raw, _, waited = overflow.take(4)  # being written: waited for
+    assert raw == b"four!" and waited >= 0.15
+    staged = overflow.claim(6, 5, 2)  # the next pass's first items, staged before it begins
+    overflow.fill(staged, b"six..", (1, 2, 5))
+    stale = overflow.claim(7, 5, 1)
+    overflow.fill(stale, b"seven", (1, 2, 5))
+    overflow.begin(2)
+    assert overflow.take(7) is None and overflow.take(6)[0] == b"six.."  # the last pass's unread ones go
+    assert overflow.claim(3, 5, 2) is not None  # a new pass: asked for again
+
+
+def test_a_slot_claimed_again_under_a_workers_copy_is_not_served():
+    overflow = Overflow(4, 1, 8)
+    overflow.begin(1)
+    slot = overflow.claim(1, 3, 1)
+    overflow.fill(slot, b"one", (1, 2, 3))
+    arrays = overflow._arrays()
+    real_bytes = bytes
+
+    def claimed_again_while_copying(view):  # the look-ahead claims the slot between a worker's check and copy
+        arrays[1][slot, 4] += 1
+        return real_bytes(view)
+    import coordl._fetch.overflow as module
+    module.bytes = claimed_again_while_copying
+    try:
+        assert overflow.take(1) is None
+    finally:
+        del module.bytes
+
+
+def test_torchs_workers_share_the_overflow_and_a_plain_pickle_makes_a_new_one():
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+    overflow = Overflow(4, 2, 8)
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(overflow)
+    shared = pickle.loads(buffer.getvalue())
+    shared.begin(1)
+    slot = shared.claim(2, 3, 1)
+    shared.fill(slot, b"two", (1, 2, 3))
+    assert overflow.take(2)[0] == b"two"
+    fresh = pickle.loads(pickle.dumps(overflow))
+    assert fresh.tensors[0].data_ptr() != overflow.tensors[0].data_ptr() and fresh.tensors[0].is_shared()
 
 
 def test_a_fork_waits_for_the_requests_in_flight_and_none_starts_until_it_is_done():
@@ -151,11 +239,9 @@ def test_a_batchs_misses_are_read_concurrently_and_one_in_flight_elsewhere_is_wa
     dataset = fetch_path()
     claim = dataset.cache.claim(4, SIZE)  # another reader's, in flight
     row = dataset.counters.row()
-    fields = [COUNTER_FIELDS.index(f) for f in ("misses", "storage_bytes", "storage_wait_ns", "hits", "cache_bytes",
-                                                "waits", "wait_ns")]
     filler = threading.Timer(0.2, dataset.cache.fill, (claim, b"4".ljust(SIZE, b"."), (1, 0, SIZE)))
     filler.start()
-    raws = read_misses(dataset, [2, 4, 6], row, fields)
+    raws = read_misses(dataset, [2, 4, 6], row, _FIELDS)
     filler.join()
     assert raws == [b"key-2".ljust(SIZE, b"."), b"4".ljust(SIZE, b"."), b"key-6".ljust(SIZE, b".")]
     assert sorted(dataset.storage.reads) == ["key-2", "key-6"]
@@ -167,7 +253,7 @@ def test_a_failed_read_names_its_key_and_leaves_no_claim_behind(fetch_path):
     dataset = fetch_path(fail={"key-3"})
     row = np.zeros(len(COUNTER_FIELDS), dtype=np.int64)
     with pytest.raises(SampleError, match=r"sample 3 \(key-3\): the store said no"):
-        read_misses(dataset, [1, 3, 5], row, range(7))
+        read_misses(dataset, [1, 3, 5], row, range(8))
     assert not any(dataset.cache.in_flight(i) for i in range(12))
     assert dataset.cache.put(3, b"x" * SIZE)  # its place is free for the next reader
 
