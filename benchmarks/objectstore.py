@@ -64,14 +64,15 @@ def _decode_crop(raw: bytes):
 
 
 class _S3MapSample:
-    """What ``S3MapDataset``'s transform makes of an ``S3Reader``: its bytes, or the decoded crop."""
+    """What ``S3MapDataset``'s transform makes of an ``S3Reader``: its bytes, or ImageFolder's sample (the
+    decoded crop and the class, from the key's prefix)."""
 
-    def __init__(self, workload: str):
-        self.workload = workload
+    def __init__(self, workload: str, classes: list[str]):
+        self.workload, self.class_of = workload, {name: k for k, name in enumerate(classes)}
 
     def __call__(self, reader):
         raw = reader.read()
-        return raw if self.workload == "bytes" else _decode_crop(raw)
+        return raw if self.workload == "bytes" else (_decode_crop(raw), self.class_of[reader.key.split("/")[-2]])
 
 
 def build(system: str, workload: str, url: str, root: str, endpoint: str, cache_bytes: int, seed: int):
@@ -87,7 +88,7 @@ def build(system: str, workload: str, url: str, root: str, endpoint: str, cache_
     if system == "s3map":
         from s3torchconnector import S3MapDataset
         dataset = S3MapDataset.from_prefix(url + "/", region="us-east-1", endpoint=endpoint,
-                                           transform=_S3MapSample(workload))
+                                           transform=_S3MapSample(workload, sorted(os.listdir(root))))
         return torch.utils.data.DataLoader(dataset, **options)
     if system == "local":
         dataset = torchvision.datasets.ImageFolder(root, transform=_crop) if workload == "jpeg" else \
@@ -99,7 +100,7 @@ def build(system: str, workload: str, url: str, root: str, endpoint: str, cache_
     return coordl.DataLoader(dataset, cache_bytes=cache_bytes, **options)
 
 
-def run_epochs(loader, epochs: int, step_s: float, system: str) -> list[dict]:
+def run_epochs(loader, epochs: int, step_s: float, system: str, workload: str) -> list[dict]:
     """Each epoch's samples/s, the loop's waits (stall, first and median batch), GETs and bytes."""
     rows = []
     for _ in range(epochs):
@@ -112,7 +113,7 @@ def run_epochs(loader, epochs: int, step_s: float, system: str) -> list[dict]:
             except StopIteration:
                 break
             waits.append(time.perf_counter() - asked)
-            samples += len(batch) if isinstance(batch, list) else len(batch[0])
+            samples += len(batch) if workload == "bytes" else len(batch[1])  # bytes; or (images, classes)
             time.sleep(step_s)
         took = time.perf_counter() - started
         rows.append({"samples": samples, "time_s": took, "samples_per_s": samples / took, "stall_s": sum(waits),
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
                                 cache = 0 if fraction is None else int(fraction * dataset_bytes) + 2**20 * (fraction >= 1)
                                 loader = build(system, workload, "s3://data/train", root, endpoint, cache, rep)
                                 epochs = 1 if system == "s3map" else args.epochs
-                                rows = run_epochs(loader, epochs, args.step_ms / 1000, system)
+                                rows = run_epochs(loader, epochs, args.step_ms / 1000, system, workload)
                                 if hasattr(loader, "close"):
                                     loader.close()
                                 del loader
