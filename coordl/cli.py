@@ -195,7 +195,7 @@ def _whatif(args) -> int:
             workers=args.workers, servers=args.servers, jobs=args.jobs,
             coordinated=True if args.coordinated else None,
             storage_factor=1.0 if args.storage_mbps is None else args.storage_mbps * mb / pipeline.S,
-            R=None if args.peer_mbps is None else args.peer_mbps * mb)
+            R=None if args.peer_mbps is None else args.peer_mbps * mb, lookahead=args.lookahead)
     except (OSError, ValueError) as e:
         print(f"coordl whatif: {e}", file=sys.stderr)
         return 2
@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.set_defaults(func=_analyze)
 
     whatif = sub.add_parser("whatif", help="predict a job's throughput with another cache, workers, storage, "
-                                           "servers or jobs, from the analysis.json `coordl analyze` wrote")
+                                           "servers, jobs or look-ahead, from the analysis.json `coordl analyze` "
+                                           "wrote")
     whatif.add_argument("analysis", help="an analysis.json")
     whatif.add_argument("--cache", type=_byte_size, help="cache size, e.g. 64GiB, or a share of the memory available "
                                                         "now, e.g. 50%%")
@@ -296,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the analysis measured it)")
     whatif.add_argument("--jobs", type=_whole_number(1), help="jobs reading the dataset at once on this server")
     whatif.add_argument("--coordinated", action="store_true", help="those jobs share fetch and prep (hp_group)")
+    whatif.add_argument("--lookahead", type=_whole_number(0),
+                        help="an object store's GETs in flight ahead of the loop (the datasets' lookahead=)")
     whatif.set_defaults(func=_whatif)
 
     _add_ls_rm(sub, "cache", "MinIO caches", ls=(_cache_ls, "list caches, their fill and users"),

@@ -2,7 +2,8 @@
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--prep-s T] [--fail-at B
 [--only-in-phase PHASE]] [--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali]
-[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate] [--step-s-in-run S2]``: an ImageFolder at ROOT through
+[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate] [--step-s-in-run S2]``: an ImageFolder at ROOT (a
+folder, or an ``s3://`` prefix: an ``ObjectImageFolder``) through
 ``coordl.DataLoader`` (or torch's, ``--torch-loader``; or, ``--rebuilt``, a torch DataLoader built from the coordl
 loader's dataset, batch sampler and collate function, or Accelerate's ``prepare``d one), persistent workers, a
 training step of ``S`` seconds (and ``T`` seconds more prep per sample, waited), leaving each epoch after K
@@ -55,8 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.step_s_in_run is not None and os.environ.get("COORDL_ANALYZE_PHASE") == "run":
         args.step_s = args.step_s_in_run
-    dataset = torchvision.datasets.ImageFolder(args.root, transform=transforms.Compose(
-        [transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor(), Pause(args.prep_s)]))
+    transform = transforms.Compose([transforms.RandomResizedCrop(32, antialias=True), transforms.ToTensor(),
+                                    Pause(args.prep_s)])
+    dataset = coordl.ObjectImageFolder(args.root, transform=transform) if args.root.startswith("s3://") else \
+        torchvision.datasets.ImageFolder(args.root, transform=transform)
     options = dict(batch_size=8, shuffle=True, num_workers=args.workers, persistent_workers=args.workers > 0)
     if args.ddp:
         torch.distributed.init_process_group("gloo")

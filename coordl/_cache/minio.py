@@ -404,6 +404,11 @@ class MinIOCache:
         start = views.data_at + int(views.offsets[index])
         return views.data[start:start + int(views.lengths[index])]
 
+    def missing(self, indices: list[int]) -> list[int]:
+        """Those of ``indices`` not cached now, in their order (one array read; no lock)."""
+        at = np.asarray(indices, dtype=np.int64)
+        return at[self._ensure().status[at] != _READY].tolist() if len(at) else []
+
     def views(self, indices: list[int]) -> list[tuple[memoryview, tuple[int, int, int]] | None]:
         """:meth:`view` and :meth:`stamp` of each of ``indices`` in a few array reads for them all (a batch's
         hits): (view, stamp) for an item that is cached, None for one that is not. Takes no lock. Whether

@@ -4,14 +4,15 @@ training loop, from a storage whose reads are slow one by one but many can be in
 NOTE [ Look-ahead ]
 The training process knows each pass's whole plan when it starts (the ledger's ``begin``), and the next
 pass's first batches before this one ends (``plan_ahead``, NOTE [ Planning ahead ] in ``batch_sampler``).
-``depth`` threads walk that order (the next pass's items once this pass's reads are done, so a read is
-for the pass it is counted in), each taking the next item, claiming it in the cache unless it is cached
+``depth`` threads walk that order, less what is cached when the pass starts (the next pass's items once
+this pass's reads are done, so a read is for the pass it is counted in), each taking the next item, claiming it in the cache unless it is cached
 or in flight there (minio_cache NOTE [ Claims ]), reading it and filling the claim; torch's workers, asked
 for the item later, find it cached or wait for it in flight (``concurrent_misses``), so no item is read
 twice on the node. Once the cache is full, the items it has no room for go to the overflow (``_fetch.overflow``
 NOTE [ Overflow ]: slots in shared memory, each item taken out by the worker that asks for it), so later
 epochs at a partial cache are read ahead too; a thread that finds every slot taken waits for the loop
-to take one (one of them polls; the others wait on it).
+to take one (one of them polls; the others wait on it). The threads start 16 at first, and one more with
+each read done, up to ``depth``.
 
 Its threads hold this state, not the loader, so a dropped loader stops them (``weakref.finalize``). A
 fork (torch starting the next epoch's workers while they read) waits for their requests in flight
@@ -30,6 +31,9 @@ from coordl._fetch.overflow import SKIP, overflow_for
 
 logger = logging.getLogger(__name__)
 _AHEAD, _AHEAD_BYTES = COUNTER_FIELDS.index("ahead"), COUNTER_FIELDS.index("ahead_bytes")
+FIRST_THREADS = 16
+"""Threads the look-ahead starts with; each read done starts one more, up to its depth (so a pass's first
+objects are not queued behind a burst of ``depth`` GETs on connections still being opened)."""
 POLL_S = 0.002
 """How often a thread waiting for an overflow slot looks for one (the workers free them, in other processes)."""
 
@@ -72,7 +76,7 @@ class LookAhead:
         """Stop, and wait for the reads in flight (a store gone: until the client's retries give up)."""
         if self._walk is not None and self._pid == os.getpid():
             self._walk.stop()
-            for thread in self._walk.threads:
+            for thread in list(self._walk.threads):
                 thread.join()
 
 
@@ -91,6 +95,7 @@ class _Walk:
         self.threads: list[threading.Thread] = []
 
     def follow(self, plan: list[int], ahead) -> None:
+        plan = self.dataset.cache.missing(plan)  # what is cached already takes no thread's turn
         with self.changed:
             self.plan, self.cursor, self.ahead = plan, 0, ahead
             self.pass_no += 1
@@ -102,10 +107,13 @@ class _Walk:
                 self.pending = [0, 0]
             self.changed.notify_all()
             if not self.threads and not self.stopped:
-                self.threads = [threading.Thread(target=self._run, name=f"coordl-lookahead-{k}", daemon=True)
-                                for k in range(self.depth)]
-                for thread in self.threads:
-                    thread.start()
+                for _ in range(min(self.depth, FIRST_THREADS)):
+                    self._start_thread()
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(target=self._run, name=f"coordl-lookahead-{len(self.threads)}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
 
     def stop(self) -> None:
         with self.changed:
@@ -124,13 +132,15 @@ class _Walk:
                     return self.plan[self.cursor - 1], self.pass_no + (self.cursor > self.boundary)
                 if self.ahead is not None and not self.reading:  # the next pass's first batches, across the
                     ahead, self.ahead = self.ahead, None  # boundary, once this pass's reads are done
-                    self.plan = self.plan + _flat(ahead(max(1, self.depth)))
+                    self.plan = self.plan + self.dataset.cache.missing(_flat(ahead(max(1, self.depth))))
                     continue
                 self.changed.wait()
 
     def _done(self, full: bool) -> None:
         with self.changed:
             self.reading -= 1
+            if len(self.threads) < self.depth and not self.stopped:  # one more thread a read: a slow start
+                self._start_thread()
             if not self.reading:
                 self.changed.notify_all()
             if full:  # nothing more fits, and there is no overflow: the rest of this plan is the workers'

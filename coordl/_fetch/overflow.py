@@ -140,7 +140,7 @@ class Overflow:
             if not (states == WRITING).any() or time.monotonic() >= deadline:
                 return None
             time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = min(delay * 2, 0.001)
 
 
 def _shared(n_items: int, slots: int, slot_bytes: int, tensors) -> Overflow:

@@ -24,6 +24,12 @@ backend, ``fetch_threads`` threads fetch batches ahead of DALI's prep threads, s
 (``W = P``) and the fetch threads' own waits bound fetching instead: ``F = min(F, fetch_threads /
 (misses·L))``.
 
+From an object store, a worker reads its batch's misses ``concurrency`` at once, so it waits ``L /
+concurrency`` per miss (``L``: one GET's wait); with the look-ahead, ``lookahead`` GETs are in flight
+ahead of the loop, so the workers wait for none (``W`` as with no misses) and fetching is bound by them:
+``F = min(F, lookahead / ((1−x)·L))``; ``S`` is the store's rate at the loader's concurrency (the
+look-ahead's and the workers' GETs in flight: latency × concurrency, or the bandwidth).
+
 The training process and prep share the cores: with ``step_cpu_s`` and ``prep_cpu_s`` seconds of CPU per
 sample (the training process's in the ingestion phase; prep's while ``P`` is measured), no more than
 ``cores / (step_cpu_s + prep_cpu_s)`` samples/s go through, however many workers there are; that bound
@@ -73,6 +79,8 @@ class Pipeline:
             batch) and of prep (0: not measured, no CPU bound).
         contention: the share of ``min(W, G)`` the training loop reaches while its workers (or DALI) prepare
             (see the module's docstring; 1: none, or not measured).
+        concurrency: GETs a worker makes at once for its batch's misses (an object store; 0: one by one).
+        lookahead: GETs the look-ahead keeps in flight ahead of the loop (an object store; 0: none).
     """
 
     samples: int
@@ -95,6 +103,8 @@ class Pipeline:
     prep_cpu_s: float = 0.0
     contention: float = 1.0
     peer_share: float | None = None
+    concurrency: int = 0
+    lookahead: int = 0
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
@@ -109,11 +119,12 @@ class Pipeline:
             raise ValueError(f"R should be a rate above 0 or None, but got {self.R!r}")
         if not 0 <= self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction should be in [0, 1], but got {self.cache_fraction!r}")
-        if min(self.samples, self.cores, self.servers, self.jobs, self.ranks) < 1 or min(self.workers,
-                                                                                         self.fetch_threads) < 0:
-            raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers and "
-                             f"fetch_threads at least 0: {self.samples}, {self.cores}, {self.servers}, {self.jobs}, "
-                             f"{self.ranks}, {self.workers}, {self.fetch_threads}")
+        if min(self.samples, self.cores, self.servers, self.jobs, self.ranks) < 1 or min(
+                self.workers, self.fetch_threads, self.concurrency, self.lookahead) < 0:
+            raise ValueError(f"samples, cores, servers, jobs and ranks should be at least 1 and workers, "
+                             f"fetch_threads, concurrency and lookahead at least 0: {self.samples}, {self.cores}, "
+                             f"{self.servers}, {self.jobs}, {self.ranks}, {self.workers}, {self.fetch_threads}, "
+                             f"{self.concurrency}, {self.lookahead}")
         if self.peer_share is not None and not 0 <= self.peer_share <= 1 - self.cache_fraction + 1e-9:
             raise ValueError(f"peer_share should be in [0, 1 − cache_fraction], but got {self.peer_share!r}")
         if self.servers > 1 and self.R is None:
@@ -141,8 +152,9 @@ class Pipeline:
             busy.append(peers / self.R)
         seconds = max(busy) if max(self.workers, self.fetch_threads) > 1 else sum(busy)  # in parallel, or in turn
         rate = math.inf if seconds == 0 else 1.0 / seconds
-        if self.fetch_threads and aggregate < 1.0 and self.L > 0:  # each thread waits L per miss
-            rate = min(rate, self.fetch_threads / ((1.0 - aggregate) * self.L))
+        ahead = self.fetch_threads or self.lookahead
+        if ahead and aggregate < 1.0 and self.L > 0:  # each thread (or GET in flight) waits L per miss
+            rate = min(rate, ahead / ((1.0 - aggregate) * self.L))
         return rate if self.coordinated else rate / self.jobs
 
     @property
@@ -163,11 +175,16 @@ class Pipeline:
         the cores also run the training process."""
         if self.workers == 0:
             return self.prep_rate
-        if self.L == 0 or self.fetch_threads:  # no wait, or fetched ahead (DALI)
+        if self.L == 0 or self.fetch_threads or self.lookahead:  # no wait, or fetched ahead (DALI, look-ahead)
             return min(self.prep_rate, self.cpu_rate)
         misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
-        seconds = _processes(self.workers, self.cores) / self.P + misses * self.L  # of one worker, per sample
+        seconds = _processes(self.workers, self.cores) / self.P + misses * self.miss_wait  # of one worker, per sample
         return min(min(self.P, self.workers / seconds) / (1 if self.coordinated else self.jobs), self.cpu_rate)
+
+    @property
+    def miss_wait(self) -> float:
+        """Seconds a worker waits per miss: ``L``, or ``L / concurrency`` where it reads its misses at once."""
+        return self.L / max(1, self.concurrency)
 
     @property
     def predicted(self) -> float:
@@ -189,10 +206,10 @@ class Pipeline:
     def _waits_more_than_prep(self) -> bool:
         """Whether each worker waits longer per sample for its misses than it takes preparing (W is then
         below P by its waits, not held by the cores)."""
-        if not self.workers or self.fetch_threads or self.worker_rate >= self.cpu_rate:
+        if not self.workers or self.fetch_threads or self.lookahead or self.worker_rate >= self.cpu_rate:
             return False
         misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
-        return misses * self.L > _processes(self.workers, self.cores) / self.P
+        return misses * self.miss_wait > _processes(self.workers, self.cores) / self.P
 
     def stalls(self, samples_per_s: float | None = None) -> dict:
         """Seconds per epoch of a rank, as the model splits it: the training step alone (``ideal_s``), lost to
@@ -216,9 +233,9 @@ class Pipeline:
     # -- what if ---------------------------------------------------------------------------------------------
 
     def with_changes(self, *, cache_fraction=None, workers=None, storage_factor=1.0, servers=None, jobs=None,
-                     coordinated=None, R=None, peer_share=None) -> "Pipeline":
+                     coordinated=None, R=None, peer_share=None, lookahead=None) -> "Pipeline":
         """The pipeline with another cache, worker count, storage ``storage_factor`` times as fast, servers,
-        jobs, peer rate or share fetched from peers. More workers scale ``P`` in proportion to the processes
+        jobs, peer rate, share fetched from peers or look-ahead (GETs in flight; ``S`` stays as measured). More workers scale ``P`` in proportion to the processes
         doing prep, up to the cores (the measured rate per process times the processes); the measured
         ``contention`` stays. Another cache or servers drop a given ``peer_share`` (the caches' own again)."""
         changes = {"S": self.S * storage_factor}
@@ -232,7 +249,7 @@ class Pipeline:
             if self.fetch_threads:  # the DALI backend fetches on as many threads as it prepares on
                 changes["fetch_threads"] = max(workers, 1)
         for name, value in (("servers", servers), ("jobs", jobs), ("coordinated", coordinated), ("R", R),
-                            ("peer_share", peer_share)):
+                            ("peer_share", peer_share), ("lookahead", lookahead)):
             if value is not None:
                 changes[name] = value
         return dataclasses.replace(self, **changes)
@@ -263,6 +280,21 @@ class Pipeline:
         return None
 
 
+    def lookahead_knee(self) -> int | None:
+        """The fewest GETs in flight ahead of the loop that remove the fetch stall (``F ≥ contention · min(W,
+        G)`` with the workers waiting for none); 0 when nothing is fetched, None when the store's rate ``S``
+        (or the cache's) is what holds fetching, which no look-ahead changes."""
+        misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
+        if misses == 0 or self.L == 0:
+            return 0
+        ahead = self.with_changes(lookahead=1)
+        target = ahead.contention * min(ahead.worker_rate, ahead.G)
+        depth = max(1, math.ceil(target * misses * self.L * (1 - 1e-12)))
+        if self.with_changes(lookahead=depth).fetch_rate < target * (1 - 1e-9):
+            return None
+        return depth
+
+
 def _processes(workers: int, cores: int) -> int:
     """Processes doing prep: the workers (the main process when there are none), at most the cores."""
     return min(max(workers, 1), cores)
@@ -279,6 +311,11 @@ def answers(pipeline: Pipeline, jobs=(2, 4), servers=(2, 4)) -> list[dict]:
     workers = p.workers_knee()
     out.append({"question": "fewest workers that remove the prep stall", "workers": workers,
                 "samples_per_s": None if workers is None else p.with_changes(workers=workers).predicted})
+    if p.concurrency:  # an object store
+        depth = p.lookahead_knee()
+        out.append({"question": "fewest GETs in flight ahead of the loop that remove the fetch stall",
+                    "lookahead": depth,
+                    "samples_per_s": None if depth is None else p.with_changes(lookahead=depth).predicted})
     out.append({"question": "storage twice as fast", "storage_factor": 2.0,
                 "samples_per_s": p.with_changes(storage_factor=2.0).predicted})
     for k in jobs:

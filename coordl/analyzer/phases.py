@@ -9,7 +9,8 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   after ``COORDL_ANALYZE_WARMUP``. With workers, the loader's workers are replaced by as many that send
   copies of that batch, so the loop still pays for taking each batch from a worker.
 * ``rates``: before the first batch, with the training loop idle: ``S`` (cold random reads of a sample
-  of the dataset's raw bytes, no prep, on as many threads as cores, in passes over it for at least
+  of the dataset's raw bytes, no prep, on as many threads as cores (from an object store, on as many as the
+  loader keeps GETs in flight: its workers' misses at once and its look-ahead's), in passes over it for at least
   :data:`STORAGE_MIN_S`; each file is dropped from the page cache before each pass, and the process's
   block-device reads say whether the reads really were cold), ``L``
   (what a worker waits per miss while the storage is not saturated: once the storage has rested
@@ -80,6 +81,7 @@ from coordl._core import hooks, settings
 from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl._core.sysinfo import cpu_seconds
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
+from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._peer.topology import EXCHANGE_ENV
 from coordl.analyzer.phase_env import CLAIMED, ITERS_ENV, PHASE_ENV, PHASES, RESULT_ENV, WARMUP_ENV  # noqa: F401
 
@@ -657,9 +659,10 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
     keys = [source.raw_key(i) for i in subset]
     stamped = hasattr(storage, "read_stamped")
     read = storage.read_stamped if stamped else storage.read
+    in_flight, lookahead = _gets_in_flight(loader, storage, prep["num_workers"])
     device_before, storage_s, passes = _device_read_bytes(), 0.0, 0
     least = least_s(STORAGE_MIN_S)
-    with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+    with concurrent.futures.ThreadPoolExecutor(in_flight or cores) as pool:
         while passes == 0 or storage_s < least:  # a throttle lets a short burst through
             for key in keys:
                 _evict(key)
@@ -674,13 +677,16 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
               "workers": prep["num_workers"] if dali is None else dali.dali_threads,
               "fetch_threads": 0 if dali is None else dali.fetch_threads,
               "cache_bytes": cache.capacity_bytes if cache is not None else 0,
-              "cold_fraction": _cold_fraction(device_before, passes * sum(sizes)),
-              "hp_group": group is not None}
+              "cold_fraction": None if in_flight else _cold_fraction(device_before, passes * sum(sizes)),
+              "hp_group": group is not None, "concurrency": storage.concurrency if in_flight else 0,
+              "lookahead": lookahead, "S_threads": in_flight or cores}
     peers = getattr(dataset, "peers", None)
     burst = misses_per_batch(batch_size, result["cache_bytes"] / (result["sample_bytes"] * len(dataset)),
                              peers.topology.nodes if peers is not None else 1)
     probe = keys[:max(burst, LATENCY_READS // burst * burst)]
     result["L"], result["L_cold_fraction"] = _miss_wait(read, probe, sum(sizes[:len(probe)]), n / storage_s, burst)
+    if in_flight:  # an object store: no block device to say how cold
+        result["L_cold_fraction"] = None
     result["L_burst"] = burst
     datas = [r[0] if stamped else r for r in raws]
     cached = []
@@ -711,6 +717,16 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
     return result, prepared if group is None else None
+
+
+def _gets_in_flight(loader, storage, workers: int) -> tuple[int, int]:
+    """From an object store (``_fetch.concurrent_misses``): the GETs the loader keeps in flight at most (each
+    worker's misses at once, and the look-ahead's), and the look-ahead's; (0, 0) from files."""
+    if not reads_concurrently(storage):
+        return 0, 0
+    lookahead = loader.epoch_ledger.lookahead
+    depth = lookahead.depth if lookahead is not None else 0
+    return max(1, workers) * storage.concurrency + depth, depth
 
 
 def _hit_rate(hit, items: list, cores: int) -> float:

@@ -19,7 +19,7 @@ def to_json(pipeline: Pipeline, measured: float | None = None,
             "dataset": {"samples": p.samples, "bytes": dataset_bytes},
             "config": {"cache_bytes": p.cache_fraction * dataset_bytes, "workers": p.workers, "cores": p.cores,
                        "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated, "ranks": p.ranks,
-                       "fetch_threads": p.fetch_threads},
+                       "fetch_threads": p.fetch_threads, "concurrency": p.concurrency, "lookahead": p.lookahead},
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
             "miss_wait_s": p.L,
             "cpu_s_per_sample": {"step": p.step_cpu_s, "prep": p.prep_cpu_s},
@@ -78,6 +78,7 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             servers=int(config.get("servers", 1)), jobs=int(config.get("jobs", 1)),
                             coordinated=bool(config.get("coordinated", False)), ranks=int(config.get("ranks", 1)),
                             fetch_threads=int(config.get("fetch_threads", 0)),
+                            concurrency=int(config.get("concurrency", 0)), lookahead=int(config.get("lookahead", 0)),
                             step_cpu_s=float(cpu.get("step", 0.0)), prep_cpu_s=float(cpu.get("prep", 0.0)),
                             contention=float(doc.get("contention", 1.0)))
     except KeyError as e:
@@ -130,6 +131,8 @@ def describe(pipeline: Pipeline, measured: float | None = None,
              f"{format_bytes(p.cache_fraction * dataset_bytes)} ({p.cache_fraction:.0%}), " +
              (f"DALI: {p.workers} prep and {p.fetch_threads} fetch threads" if p.fetch_threads else
               f"{p.workers} workers") + f" on {p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
+             (f"; an object store: {p.concurrency} GETs at once per worker, {p.lookahead} in flight ahead of the "
+              "loop" if p.concurrency else "") +
              (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else "") +
              (f"; {p.servers * p.ranks} ranks, each with the rates below (the job: {p.servers * p.ranks} × a "
               "rank's)" if p.servers * p.ranks > 1 else ""),
@@ -143,8 +146,8 @@ def describe(pipeline: Pipeline, measured: float | None = None,
     if not math.isinf(p.cpu_rate):
         lines.append(f"  CPU             {_rate(p.cpu_rate, p.sample_bytes)}  ({p.cores} cores; per sample "
                      f"{p.step_cpu_s * 1e3:.2f} ms training process, {p.prep_cpu_s * 1e3:.2f} ms prep)")
-    if p.L > 0 and not p.fetch_threads:
-        lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.L * 1e3:.2f} ms "
+    if p.L > 0 and not p.fetch_threads and not p.lookahead:
+        lines.append(f"  W workers       {_rate(p.worker_rate, p.sample_bytes)}  (prep, and {p.miss_wait * 1e3:.2f} ms "
                      "waited per miss)")
     if p.contention < 1 and p.workers:
         lines.append(f"  contention      {p.contention:10.3f}  (the share of min(W, G) the loop reaches while "
@@ -191,6 +194,9 @@ def describe(pipeline: Pipeline, measured: float | None = None,
         if "cache_fraction" in a:
             text = ("no cache is enough: the cache's own rate C is below min(P, G)" if rate is None else
                     f"{format_bytes(a['cache_bytes'])} ({a['cache_fraction']:.0%} of the dataset)")
+        elif "lookahead" in a:
+            text = ("no look-ahead is enough: the store's rate S holds fetching" if a["lookahead"] is None else
+                    f"lookahead={a['lookahead']}")
         elif "workers" in a:
             unit = "threads (num_workers=)" if p.fetch_threads else "workers"
             text = f"not even {2 * p.cores} {unit}" if rate is None else f"{a['workers']} {unit}"

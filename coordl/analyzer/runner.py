@@ -223,7 +223,8 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
                         S=rates["S"], C=rates["C"], L=rates["L"], cores=rates["cores"],
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes), servers=servers,
                         R=rates.get("R") if servers > 1 else None,
-                        step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"], **shape)
+                        step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"],
+                        concurrency=rates.get("concurrency", 0), lookahead=rates.get("lookahead", 0), **shape)
     if rates.get("Q") is not None:  # Q had nothing to fetch: of what W and G allow with no misses
         alone = pipeline.with_changes(cache_fraction=1.0)
         pipeline = dataclasses.replace(pipeline, contention=min(1.0, rates["Q"] / min(alone.worker_rate, alone.G)))

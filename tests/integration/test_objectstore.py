@@ -1,11 +1,15 @@
 """Datasets in an object store, against a real S3 server (``rclone serve s3`` on loopback, ``harness.s3``):
 ImageFolder's samples from a bucket, every object once per epoch, later epochs from the node's cache with
-no GET, and clear errors for a wrong endpoint, bucket, credentials or manifest."""
+no GET, what the cache has no room for read ahead into the overflow, ``coordl analyze`` on a bucket, and
+clear errors for a wrong endpoint, bucket, credentials or manifest."""
 
 import collections
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +18,7 @@ import torch
 import torchvision
 
 import coordl
+from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl._objects.datasets import ObjectDataset, ObjectImageFolder
 from coordl._objects.manifest import Manifest
 from harness.delay_proxy import DelayProxy
@@ -239,6 +244,34 @@ def test_four_jobs_reading_one_prefix_on_a_node_get_each_object_once_in_all(buck
     assert sum(gets for gets, *_ in reports) == n
     assert all(hits + misses == n for _, hits, misses, _ in reports)
     assert all(targets == reports[0][3] and len(targets) == n for *_, targets in reports)
+
+
+@pytest.mark.slow
+def test_coordl_analyze_measures_a_bucket_at_the_loaders_gets_in_flight_and_asks_what_lookahead_it_needs(
+        far_bucket, tmp_path):
+    """Half the dataset cached. S from as many GETs at once as the loader keeps in flight (its worker's misses
+    and its look-ahead's), L as one GET's wait (a 20 ms round trip or more), no complaint about reads a block
+    device did not serve, and the what-if of the fewest GETs in flight that remove the fetch stall, which
+    ``coordl whatif`` answers again for another depth."""
+    server, url = far_bucket
+    job = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_analyze_job.py")
+    proc = subprocess.run([sys.executable, "-m", "coordl.cli", "analyze", "--out", str(tmp_path), "--iters", "20",
+                           "--warmup", "3", "--timeout", "120", "--", sys.executable, job, url, "--step-s", "0.02",
+                           "--cache-bytes", str(sum(ObjectImageFolder(url).manifest.sizes) // 2)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ,
+                                                                            ANALYZE_TIME_SCALE_ENV: "0.2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "analysis.json"))
+    config, rates = doc["config"], doc["phases"]["rates"]
+    assert config["concurrency"] == 16 and config["lookahead"] >= 16
+    assert rates["S_threads"] == 16 + config["lookahead"] and rates["cold_fraction"] is None
+    assert doc["miss_wait_s"] >= 0.02 and "block device" not in proc.stdout
+    assert "an object store: 16 GETs at once per worker" in proc.stdout
+    asked = [a for a in doc["whatif"] if a["question"].startswith("fewest GETs in flight")]
+    assert len(asked) == 1 and (asked[0]["lookahead"] is None or asked[0]["lookahead"] >= 1)  # half is GETs
+    again = subprocess.run([sys.executable, "-m", "coordl.cli", "whatif", str(tmp_path / "analysis.json"),
+                            "--lookahead", "1"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "1 in flight ahead of the loop" in again.stdout
 
 
 @pytest.mark.slow

@@ -127,8 +127,46 @@ def test_dali_fetches_ahead_so_its_threads_waits_bound_fetching_not_prep():
     assert Pipeline(**{**BASE, "workers": 2}).with_changes(workers=4).fetch_threads == 0  # torch stays torch
     report = analyzer.describe(p)
     assert "DALI: 2 prep and 2 fetch threads" in report and "W workers" not in report
-    with pytest.raises(ValueError, match="fetch_threads at least 0: .*, -1$"):
+    with pytest.raises(ValueError, match="fetch_threads, concurrency and lookahead at least 0: .*, -1, 0, 0$"):
         Pipeline(**{**BASE, "fetch_threads": -1})
+
+
+def test_an_object_stores_workers_wait_a_gets_latency_over_their_concurrency_and_the_lookahead_hides_it():
+    """A bucket 25 ms away: each worker GETs its batch's misses 16 at once, so it waits 25/16 ms per miss;
+    the look-ahead keeps 64 GETs in flight, so the workers wait for none and fetching is bound by 64 / 25 ms
+    over the misses; the what-if finds the depth that removes the stall, or says S holds fetching."""
+    store = {**BASE, "S": 3000.0, "L": 0.025, "workers": 2, "concurrency": 16}
+    p = Pipeline(**store)
+    assert p.miss_wait == pytest.approx(0.025 / 16)
+    each = 1 / (1 / 300 + (1 - p.cache_fraction) * 0.025 / 16)
+    assert p.worker_rate == pytest.approx(2 * each) and p.bottleneck == "prep"
+    ahead = p.with_changes(lookahead=64)
+    assert ahead.worker_rate == p.P == 600.0
+    assert ahead.fetch_rate == pytest.approx(64 / (0.7 * 0.025))  # below what S and C allow
+    assert dataclasses.replace(p, P=4000.0, G=4000.0).with_changes(lookahead=64).bottleneck == "fetch"
+    depth = p.lookahead_knee()  # 600 samples/s of which 70% misses, each 25 ms: 10.5 in flight
+    assert depth == 11 and p.with_changes(lookahead=depth).predicted == pytest.approx(600.0)
+    assert p.with_changes(lookahead=depth - 1).fetch_rate < 600.0
+    assert dataclasses.replace(p, S=400.0).lookahead_knee() is None  # the store's rate holds: no depth helps
+    assert p.with_changes(cache_fraction=1.0).lookahead_knee() == 0
+    answer = next(a for a in analyzer.answers(p) if "lookahead" in a)
+    assert answer["lookahead"] == 11 and answer["samples_per_s"] == pytest.approx(600.0)
+    assert not any("lookahead" in a for a in analyzer.answers(Pipeline(**BASE)))  # files: no such question
+    report = analyzer.describe(ahead)
+    assert "an object store: 16 GETs at once per worker, 64 in flight ahead" in report and "lookahead=11" in report
+    with pytest.raises(ValueError, match="concurrency and lookahead at least 0: .*, -1$"):
+        Pipeline(**{**store, "lookahead": -1})
+
+
+def test_whatif_takes_a_lookahead_and_an_analysis_keeps_the_stores_concurrency(tmp_path, capsys):
+    p = Pipeline(**{**BASE, "S": 3000.0, "L": 0.025, "workers": 2, "concurrency": 16})
+    path = str(tmp_path / "analysis.json")
+    analyzer.save(path, p)
+    assert analyzer.load(path)[0] == p
+    assert cli.main(["whatif", path, "--lookahead", "32"]) == 0
+    out = capsys.readouterr().out
+    assert f"with the changes: {p.with_changes(lookahead=32).predicted:.1f} samples/s" in out
+    assert "32 in flight ahead of the loop" in out
 
 
 def test_storage_servers_and_jobs():
