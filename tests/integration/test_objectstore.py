@@ -185,6 +185,25 @@ def test_a_store_gone_mid_epoch_is_named_after_the_clients_retries(bucket):
         dataset[1]
 
 
+def test_throttling_is_retried_then_reported_naming_the_object_the_endpoint_and_the_store_s_word(bucket, monkeypatch):
+    """503 Slow Down: two in a row are retried with backoff and the object read; a store that keeps saying it is
+    reported after the client's attempts (``ATTEMPTS``), naming the object, the endpoint and that it was throttled."""
+    from coordl._objects.client import ATTEMPTS
+    from tests._fault_proxy import SlowDownProxy
+    server, url = bucket
+    with SlowDownProxy(("127.0.0.1", server.port)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+        dataset = ObjectDataset(url)
+        with open(os.path.join(server.folder, "data", dataset.keys[0]), "rb") as f:
+            first = f.read()
+        proxy.fail(2)
+        assert dataset[0] == first and proxy.failed == 2
+        proxy.fail(10**6)
+        with pytest.raises(OSError, match=rf"s3://data/{dataset.keys[1]} at http://127.0.0.1:{proxy.port}: .*throttled"):
+            dataset[1]
+        assert proxy.failed == 2 + ATTEMPTS
+
+
 @pytest.fixture
 def far_bucket(bucket, monkeypatch):
     """``bucket`` 10 ms away each way (``harness.delay_proxy``): a GET takes a 20 ms round trip or more."""
