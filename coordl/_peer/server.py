@@ -26,6 +26,8 @@ import socket
 import threading
 import time
 
+import numpy as np
+
 from coordl._core.worker import exit_when_orphaned
 from coordl._fetch.storage import is_current, stamper
 from coordl._peer import wire
@@ -50,20 +52,45 @@ def job_limits(nodes: int, local_world: int, processes: int) -> tuple[int, int]:
     return (nodes - 1) * per_server + MAX_CLIENTS, per_server + PENDING_PER_SOURCE
 
 
+class ItemDigests:
+    """Each item's ``wire.item_digest``, worked out the first time it is asked for and kept: for a lookup
+    whose bytes for an id never change once it serves them (a cache's: a ready item never changes). Its
+    memory is only that of the pages it writes (32 bytes an item asked for). Threads may ask at once: two
+    that work out the same item write the same bytes."""
+
+    def __init__(self, n_items: int):
+        self._digests = np.zeros((n_items, 32), dtype=np.uint8)
+        self._known = np.zeros(n_items, dtype=bool)
+
+    def __call__(self, index: int, data) -> bytes:
+        if self._known[index]:
+            return self._digests[index].tobytes()
+        digest = wire.item_digest(data)
+        self._digests[index] = np.frombuffer(digest, dtype=np.uint8)
+        self._known[index] = True
+        return digest
+
+
+def _hashed(index: int, data) -> bytes:
+    return wire.item_digest(data)
+
+
 class PeerServer:
     """Serves ``lookup(index) -> (bytes-like, stamp or None) | None`` for ids in ``range(n_items)`` to clients
     that know ``secret``, on ``host:port`` (port 0: any free one; :attr:`address` says which), and takes
     their hand-offs with ``keeper`` (a :class:`CacheKeeper`; None: declines every one), saying ``storage_id``
     (see :func:`storage_id`), ``sample`` (:func:`copy_sample`) and ``binding`` (the job's loader it serves:
-    ``_peer.wire`` NOTE [ Peer wire ]);
+    ``_peer.wire`` NOTE [ Peer wire ]); ``digests(index, data)`` gives each served item's digest (an
+    :class:`ItemDigests` where ``lookup``'s bytes never change; the default hashes every item it serves);
     the limits are NOTE [ Peer server limits ]'s."""
 
     def __init__(self, lookup, n_items: int, secret: bytes, host: str, port: int = 0, *, keeper=None,
                  storage_id: bytes = wire.NO_STORAGE, sample: bytes = wire.NO_SAMPLE, binding: bytes = wire.NO_BINDING,
-                 frame_s: float = FRAME_S,
+                 digests=_hashed, frame_s: float = FRAME_S,
                  handshake_s: float = HANDSHAKE_S, idle_s: float = IDLE_S, max_clients: int = MAX_CLIENTS,
                  pending_per_source: int = PENDING_PER_SOURCE):
         self.lookup, self.n_items, self.secret, self.keeper = lookup, n_items, secret, keeper
+        self.digests = digests
         self.storage_id, self.sample, self.binding = storage_id, sample, binding
         self.frame_s, self.handshake_s, self.idle_s = frame_s, handshake_s, idle_s
         self.max_clients, self.pending_per_source = max_clients, pending_per_source
@@ -118,7 +145,7 @@ class PeerServer:
                 if isinstance(request, wire.Handoff):
                     self._take(channel, request)
                 else:
-                    wire.send_reply(channel, [(i, self.lookup(i)) for i in request])
+                    wire.send_reply(channel, [(i, self._found(i)) for i in request])
         except (OSError, wire.PeerProtocolError) as e:  # TimeoutError and ConnectionError are OSErrors
             logger.debug("coordl peer server: dropped a client: %s", e)
         finally:
@@ -126,6 +153,10 @@ class PeerServer:
                 self._clients.discard(conn)
                 self._authenticated -= authenticated
             conn.close()
+
+    def _found(self, index: int) -> tuple | None:
+        found = self.lookup(index)
+        return None if found is None else (*found, self.digests(index, found[0]))
 
     def _unpend(self, source: str) -> None:
         self._pending[source] -= 1
@@ -245,7 +276,8 @@ def serve(cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], bind
     try:
         server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
                             keeper=CacheKeeper(cache, source, storage), storage_id=copy[0], sample=copy[1],
-                            binding=binding, max_clients=limits[0], pending_per_source=limits[1]).start()
+                            binding=binding, digests=ItemDigests(cache.n_items), max_clients=limits[0],
+                            pending_per_source=limits[1]).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return

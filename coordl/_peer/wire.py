@@ -56,21 +56,25 @@ cache anyway.
 
 A tag is HMAC-SHA256(session key, direction + number + message) truncated to its first ``TAG_BYTES``
 (16: 128 bits), where the direction is ``c>s`` or ``s>c`` and the number counts the tagged messages
-sent that way on the connection (8 bytes, from 0), and the message is every byte of the request, item
-(header and bytes), hand-off or answer before the tag. So a byte altered, dropped, added, reordered or
+sent that way on the connection (8 bytes, from 0), and the message is every byte of the request, hand-off
+or answer before the tag; for a reply item, its header and the SHA-256 of its bytes (:func:`item_digest`),
+which the client computes from the bytes it received. So a byte altered, dropped, added, reordered or
 replayed from another message or connection fails its tag, and the receiver drops the connection (a
-``PeerProtocolError``). A reply item's stamp is the one the server's copy was stored with, checked
+``PeerProtocolError``). A server whose items' bytes never change (a cache's) works out each item's digest
+once, the first time it serves it (``_peer.server.ItemDigests``), so a later epoch's item is hashed once,
+at the rank that uses it, not at both ends. A reply item's stamp is the one the server's copy was stored with, checked
 against the server's file as it is served; a hand-off's is the sender's read's.
 """
 
 import collections
+import hashlib
 import hmac
 import secrets
 import socket
 import struct
 import time
 
-HELLO = b"CDLPEER4"
+HELLO = b"CDLPEER5"
 REQUEST = b"CDLQ"
 REPLY = b"CDLR"
 KEEP = b"CDLK"
@@ -360,14 +364,22 @@ def read_kept(channel: Channel, index: int, deadline: float | None) -> int:
     return outcome
 
 
+def item_digest(data) -> bytes:
+    """The digest of a reply item's bytes that its tag covers (NOTE [ Peer wire ])."""
+    return hashlib.sha256(data).digest()
+
+
+_NO_BYTES_DIGEST = item_digest(b"")
+
+
 def send_reply(channel: Channel, items: list[tuple[int, tuple | None]]) -> None:
-    """Answer a request: ``items`` are (id, (bytes-like, stamp or None) or None), in the request's order
-    (sent in writes of about ``_SEND_CHUNK`` bytes)."""
+    """Answer a request: ``items`` are (id, (bytes-like, stamp or None, :func:`item_digest` of the bytes) or
+    None), in the request's order (sent in writes of about ``_SEND_CHUNK`` bytes)."""
     parts, size = [_FRAME.pack(REPLY, len(items))], 0
     for index, found in items:
-        data, stamp = (b"", None) if found is None else found
+        data, stamp, digest = (b"", None, _NO_BYTES_DIGEST) if found is None else found
         header = _ITEM.pack(index, ABSENT if found is None else FOUND, len(data), *_version(stamp))
-        parts += (header, data, channel.tag(header, data))
+        parts += (header, data, channel.tag(header, digest))
         size += len(data)
         if size >= _SEND_CHUNK:
             channel.sock.sendall(b"".join(parts))
@@ -394,7 +406,7 @@ def read_reply(channel: Channel, ids: list[int], deadline: float | None):
         if deadline is not None:
             deadline += length / MIN_RATE
         data = recv_exact(sock, length, deadline)
-        channel.check(channel.receiving(header, data), deadline, f"item {index}")
+        channel.check(channel.receiving(header, item_digest(data)), deadline, f"item {index}")
         yield (index, None, None) if status == ABSENT else (index, data, _stamp(channel, inode, ctime, length))
 
 

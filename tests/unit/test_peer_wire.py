@@ -14,7 +14,7 @@ import pytest
 from coordl._cache.minio import MinIOCache, cache_segment_name
 from coordl._fetch.storage import FileStorage
 from coordl._peer import wire
-from coordl._peer.server import MAX_CLIENTS, CacheKeeper, PeerServer, cache_lookup, job_limits, storage_id
+from coordl._peer.server import MAX_CLIENTS, CacheKeeper, ItemDigests, PeerServer, cache_lookup, job_limits, storage_id
 from tests._peers import GREETING, Relay, edit, flip
 
 SECRET = b"s3cret-of-this-job"
@@ -213,19 +213,45 @@ def test_a_reply_item_is_used_only_with_its_own_tag_id_and_place_on_the_connecti
                       (wire._ITEM.pack(7, wire.FOUND, len(data), 5, 0) + data, "item 7: bad tag"),  # its stamp
                       (wire._ITEM.pack(8, wire.FOUND, len(data), 0, 0) + data, "for id 7")]:  # another id
         server, client = _pair()
-        server.sock.sendall(frame + sent + server.tag(header, data))
+        server.sock.sendall(frame + sent + server.tag(header, wire.item_digest(data)))
         with pytest.raises(wire.PeerProtocolError, match=why):
             list(wire.read_reply(client, [7], time.monotonic() + 1))
         server.close()
         client.close()
     server, client = _pair()
-    genuine = frame + header + data + server.tag(header, data)
+    genuine = frame + header + data + server.tag(header, wire.item_digest(data))
     server.sock.sendall(genuine + genuine)  # the same reply again: a replay of the first
     assert list(wire.read_reply(client, [7], time.monotonic() + 1)) == [(7, data, None)]
     with pytest.raises(wire.PeerProtocolError, match="item 7: bad tag"):
         list(wire.read_reply(client, [7], time.monotonic() + 1))
     server.close()
     client.close()
+
+
+def test_a_cache_s_server_hashes_an_item_once_and_the_client_checks_its_bytes_against_the_digest(monkeypatch):
+    """With :class:`ItemDigests` an item served on three connections is hashed once at the server (the
+    client hashes what it gets each time). A digest that does not match the bytes sent (a server whose
+    memo went wrong) gets the item refused: the client checks the bytes it received, not the server's word."""
+    hashed = []
+    real = wire.item_digest
+    monkeypatch.setattr(wire, "item_digest", lambda data: hashed.append(bytes(data)) or real(data))
+    srv = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1", digests=ItemDigests(N_ITEMS)).start()
+    try:
+        for _ in range(3):
+            with contextlib.closing(_client(srv.address)) as conn:
+                assert _fetch(conn, [5, 9]) == {5: _item(5), 9: _item(9)}
+        assert hashed.count(_item(5)) == 1 + 3 and hashed.count(_item(9)) == 1 + 3  # server once, client each time
+    finally:
+        srv.close()
+    wrong = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1",
+                       digests=lambda i, data: real(_item(i + 1))).start()
+    try:
+        with contextlib.closing(_client(wrong.address)) as conn:
+            wire.send_request(conn, [5])
+            with pytest.raises(wire.PeerProtocolError, match="item 5: bad tag"):
+                list(wire.read_reply(conn, [5], time.monotonic() + 2))
+    finally:
+        wrong.close()
 
 
 def test_a_hand_off_is_kept_checked_and_answered_between_requests(server):
