@@ -1,9 +1,10 @@
 """One rank of a data-parallel job over partitioned caches, for ``benchmarks.partitioned`` and the tests
 (run by torchrun).
 
-Loads a folder of files through ``coordl.DataLoader`` with a ``DistributedSampler`` and records, per
-epoch, every index it was given with a crc32 of the bytes it was decoded from (``--backend dali``: an
-ImageFolder through the DALI backend, batches only), the longest wait for a batch, the loader's
+Loads a folder of files (or the objects under an ``s3://`` URL) through ``coordl.DataLoader`` with a
+``DistributedSampler`` and records, per epoch, every index it was given with a crc32 of the bytes it was
+decoded from (``--backend dali``: an ImageFolder through the DALI backend, batches only), the longest wait
+for a batch, the loader's
 statistics and a digest of its ownership map, in ``OUT/rank<RANK>.json``. ``--pause EPOCH:BATCH`` stops
 the rank (``EPOCH:BATCH:NODE``: server NODE's ranks only) after that many batches of that epoch, writes
 ``OUT/paused-rank<RANK>`` (the items its server's cache holds, and on local rank 0 the pid, address and handshake binding
@@ -53,6 +54,14 @@ class Files(torch.utils.data.Dataset):
             return self.decode_raw(index, f.read())
 
 
+class Objects(coordl.ObjectDataset):
+    """The objects under an ``s3://`` URL, in key order; a sample is (index, crc32 of its bytes), as a
+    :class:`Files` sample."""
+
+    def decode_raw(self, index, raw):
+        return index, zlib.crc32(raw)
+
+
 def cgroup_read_bytes(device: str | None) -> int:
     """Bytes this process's blkio cgroup read from ``device`` (``MAJ:MIN``); 0 without one."""
     if device is None:
@@ -65,7 +74,7 @@ def cgroup_read_bytes(device: str | None) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--root", required=True)
+    parser.add_argument("--root", required=True, help="a folder, or an s3:// URL (the store's from AWS_* variables)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--cache-bytes", default="auto", help="'auto', bytes, or bytes per server: A,B,...")
@@ -90,6 +99,8 @@ def main() -> None:
     if args.backend == "dali":
         import torchvision
         dataset = torchvision.datasets.ImageFolder(args.root)
+    elif args.root.startswith("s3://"):
+        dataset = Objects(args.root)
     else:
         dataset = Files(args.root)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=5)

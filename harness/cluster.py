@@ -4,7 +4,9 @@ In ``netns`` mode (root, ``ip``, ``nsenter`` and ``unshare``) a node is deployed
 
 - its own network namespace, with ``lo`` and an ``eth0`` at 10.213.X.(i+1)/24 (X random per cluster),
   a veth whose other end is on a bridge in the cluster's own hub namespace. Nothing is added to the
-  root namespace, and no route leads out of the cluster;
+  root namespace, and no route leads out of the cluster. The bridge itself is at 10.213.X.254
+  (:attr:`Cluster.hub_address`): a service every node reaches, such as an object store
+  (:meth:`Cluster.hub_prefix` runs a command there);
 - its own mount and UTS namespaces: a fresh tmpfs on /dev/shm (so ``$COORDL_SHM_DIR``, the path the
   test suite gives every test, is private to the node), its own hostname (``cluster.names[i]``) and an
   /etc/hosts that resolves every node's name to its address;
@@ -49,6 +51,8 @@ COUNT_ONLY_BPS = 10**10
 """A read throttle that never binds: cgroup v1 counts a device's bytes only where it carries a rule."""
 PRIVATE = ["unshare", "--mount", "--uts", "--propagation", "private"]
 KILL_TRIES_S = 10
+HUB_HOST = 254
+"""The bridge's host number in the cluster's subnet (its nodes' are 1, 2, ...)."""
 LOG_TAIL_CHARS = 3000
 _RNG = random.SystemRandom()  # whatever seed a test sets, two clusters draw their own subnet and port
 
@@ -104,7 +108,8 @@ class Cluster:
     an exception) is :meth:`close`.
 
     Attributes: ``mode`` (``"netns"`` or ``"loopback"``), ``why`` (why the fallbacks, if any),
-    ``names`` (each node's hostname and cgroup name), ``addresses``, ``master_addr`` and
+    ``names`` (each node's hostname and cgroup name), ``addresses``, ``hub_address`` (where a service every
+    node reaches listens: the bridge's, or 127.0.0.1 in loopback mode), ``master_addr`` and
     ``master_port`` (node 0's, torchrun's static rendezvous), ``token`` (in every name made).
 
     Raises:
@@ -161,6 +166,7 @@ class Cluster:
                 self._delete_netns()
                 why.append(f"no network namespaces: {e}")
         self.addresses = [f"{subnet}.{i + 1}" if self.mode == "netns" else f"127.0.0.{i + 2}" for i in range(nodes)]
+        self.hub_address = f"{subnet}.{HUB_HOST}" if self.mode == "netns" else "127.0.0.1"
         self.private = no_private is None
         if not self.private:
             why.append(f"no private /dev/shm or hostname ({no_private}): node i's shm folder is {SHM_DIR_ENV}/node<i>")
@@ -183,6 +189,7 @@ class Cluster:
             self._netns.append(ns)
             _tool("ip", "-n", ns, "link", "set", "lo", "up")
         _tool("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _tool("ip", "-n", self.hub, "addr", "add", f"{subnet}.{HUB_HOST}/24", "dev", "br0")
         _tool("ip", "-n", self.hub, "link", "set", "br0", "up")
         for i, ns in enumerate(self.names):
             _tool("ip", "-n", self.hub, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -240,6 +247,11 @@ class Cluster:
         ``nsenter`` or ``unshare`` prefix), joined to ``node``'s cgroups first."""
         join = "".join(f"echo $$ > {shlex.quote(d)}/cgroup.procs\n" for d in self._cgroup_dirs[node])
         return [*namespaces, "sh", "-c", f"set -e\n{join}{script}", "sh"]
+
+    def hub_prefix(self) -> list[str]:
+        """Prefix running a command where it listens on :attr:`hub_address` (the hub namespace; nothing in
+        loopback mode). It is not a node's: stop what it starts yourself."""
+        return ["nsenter", f"--net=/run/netns/{self.hub}"] if self.mode == "netns" else []
 
     def _network(self, node: int) -> list[str]:
         """Prefix entering ``node``'s network namespace (``nsenter``, not ``ip netns exec``: that remounts

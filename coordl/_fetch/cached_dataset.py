@@ -223,13 +223,16 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def _from_peer(self, index: int, delivered: dict, row: np.ndarray):
         """The bytes of ``index`` a peer delivered (counted as a peer hit), or None: none delivered, or (where
-        the peer reads the same storage) its copy's stamp is not this server's file's (counted stale). A
-        file missing here is no version to compare: the peer vouched for its copy against its own file."""
+        the peer reads the same storage) its copy's stamp is not this server's file's, or the key is
+        ``pinned`` here and has no stamp, having changed since (counted stale). A file missing here is no
+        version to compare: the peer vouched for its copy against its own file."""
         raw, stamp = delivered.get(index, (None, None))
         if raw is None:
             return None
         current = stamper(self.storage)
-        if stamp is not None and current is not None and current(self.source.raw_key(index)) not in (None, stamp):
+        mine = None if current is None else current(self.source.raw_key(index))
+        if current is not None and (stamp is not None and mine not in (None, stamp)
+                                    or mine is None and getattr(self.storage, "pinned", False)):
             row[_STALE] += 1
             return None
         row[_PEER_HITS] += 1

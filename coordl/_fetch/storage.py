@@ -15,7 +15,8 @@ class Storage(Protocol):
     A storage may also define ``read_stamped(key) -> (bytes, Stamp | None)`` and ``stamp(key) ->
     Stamp | None``, as :class:`FileStorage` does: then each cached item is checked against its key's
     stamp when it is served. Without them, cached items are served unchecked: the storage's keys
-    name immutable bytes.
+    name immutable bytes. A storage whose every key has a pinned version (an object store's manifest) says
+    ``pinned = True``: there a key without a stamp has changed since, where a file without one is missing.
     """
 
     def read(self, key: str) -> bytes:

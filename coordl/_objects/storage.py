@@ -48,7 +48,11 @@ class ObjectStorage:
     every loading process: from then on its stamp is None, so no cache serves its old bytes (they are counted
     ``stale``) and its fresh bytes are read, used once and not cached; one gone is a ``FileNotFoundError``
     naming it. Objects added since the manifest are not read (a new manifest takes them in), and said once.
+    So a peer's copy of an object marked here is not used either (``pinned``: a key without a stamp has
+    changed), even from a peer that has not listed the prefix again yet.
     """
+
+    pinned = True
 
     def __init__(self, client: ObjectClient, manifest: Manifest, *, concurrency: int = CONCURRENCY,
                  lookahead: int = 0):

@@ -370,3 +370,75 @@ def test_workers_forked_while_the_lookahead_reads_start_cleanly_and_nothing_is_l
     loader.close()
     assert sorted(gets().values()) == [1] * len(dataset)  # each object once, whoever read it
     assert not [t for t in threading.enumerate() if t.name.startswith("coordl-lookahead")]
+
+
+def _labels(batch) -> list[int]:
+    return [label for _, label in batch]
+
+
+def _indexed(url: str) -> ObjectDataset:
+    """The objects under ``url``, each labelled with its index (so labels reveal the order)."""
+    dataset = ObjectDataset(url)
+    dataset.targets = list(range(len(dataset)))
+    return dataset
+
+
+@pytest.mark.slow
+def test_the_dali_backend_reads_a_bucket_in_torchs_order_then_from_the_cache_as_it_reads_files(bucket, image_root):
+    """Shuffled: torch's order every epoch, every object got once in epoch 1 and none later. In order with the
+    eval preset (no randomness): the images the same files give through the DALI backend."""
+    pytest.importorskip("nvidia.dali")
+    server, url = bucket
+    dataset = _indexed(url)
+    whole = 2 * sum(dataset.manifest.sizes)
+    with coordl.DataLoader(dataset, batch_size=10, shuffle=True, num_workers=2, backend="dali", cache_bytes=whole,
+                           generator=torch.Generator().manual_seed(5)) as loader:
+        orders = [torch.cat([labels for _, labels in loader]).tolist() for _ in range(2)]
+        gets = [e.gets for e in loader.stats().epochs]
+    reference = torch.utils.data.DataLoader(range(len(dataset)), batch_size=10, shuffle=True,
+                                            generator=torch.Generator().manual_seed(5))
+    assert orders == [torch.cat(list(reference)).tolist() for _ in range(2)]
+    assert gets == [len(dataset), 0]
+    files = [path for path, _ in torchvision.datasets.ImageFolder(image_root).imgs]
+    local = coordl.FileDataset(files, targets=list(range(len(files))))
+    with coordl.DataLoader(_indexed(url), batch_size=16, backend="dali", cache_bytes=0) as remote, \
+            coordl.DataLoader(local, batch_size=16, backend="dali", cache_bytes=0) as reference:
+        for (a, a_labels), (b, b_labels) in zip(remote, reference, strict=True):
+            assert torch.equal(a_labels, b_labels) and torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_an_hp_group_over_a_bucket_gets_each_object_once_an_epoch_for_all_its_jobs(bucket, tmp_path):
+    """Two jobs in one hp_group, no cache: both see the same batches, every sample once an epoch, each batch
+    prepared by one of them, so the group's GETs are the dataset's each epoch, not twice it."""
+    server, url = bucket
+    n = len(ObjectDataset(url))
+    group = f"objects-{os.getpid()}-{time.monotonic_ns()}"
+    results = FileQueue(tmp_path)
+    jobs = [_procs.spawn(_object_procs.hp_member, url, group, 2, results) for _ in range(2)]
+    _procs.join_ok(*jobs)
+    (seen_a, stats_a), (seen_b, stats_b) = [results.get(timeout=5) for _ in jobs]
+    assert seen_a == seen_b
+    assert all(sorted(label for batch in epoch for label in batch) == list(range(n)) for epoch in seen_a)
+    for epoch in range(2):
+        assert stats_a[epoch][0] + stats_b[epoch][0] == -(-n // 8)  # each batch prepared once, by one job
+        assert stats_a[epoch][1] + stats_b[epoch][1] == n
+
+
+@pytest.mark.slow
+def test_a_loader_over_a_bucket_resumes_mid_epoch_with_the_rest_of_its_batches(bucket, tmp_path):
+    server, url = bucket
+
+    def loader():
+        return coordl.DataLoader(_indexed(url), batch_size=8, shuffle=True, num_workers=2, cache_bytes=0,
+                                 generator=torch.Generator().manual_seed(3), collate_fn=_labels)
+    with loader() as full:
+        expected = [list(full) for _ in range(2)]
+    with loader() as saved:
+        it = iter(saved)
+        head = [next(it) for _ in range(3)]
+        torch.save(saved.state_dict(), tmp_path / "state.pt")
+    with loader() as resumed:
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+        rest = [list(resumed) for _ in range(2)]
+    assert head == expected[0][:3] and rest == [expected[0][3:], expected[1]]

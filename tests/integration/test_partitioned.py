@@ -4,6 +4,7 @@ once per epoch, peers dying mid-epoch, strangers refused."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from coordl._demo.synthetic import make_image_folder
 from coordl._peer.topology import TIMEOUT_ENV
 from harness.cluster import make_cluster  # noqa: F401  (a fixture)
+from harness.s3 import S3Server
 from harness.storage_env import Cleanup, copy_to_loop_disk, evict_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -216,6 +218,31 @@ def test_a_server_holding_only_the_files_it_caches_reads_the_rest_from_its_peer(
     for epoch in (2, 3):
         stats = results[1]["stats"][epoch - 1]
         assert stats["storage_bytes"] == 0 and stats["peer_hits"] > 0 and stats["hits"] > 0
+
+
+def test_a_dataset_in_an_object_store_is_got_once_and_later_epochs_come_from_the_servers_caches(
+        make_cluster, source_root, tmp_path):
+    """The dataset is a bucket of an S3 server on the cluster's bridge (``rclone serve s3``, reached by every
+    server). Epoch 1 GETs each object once in all, every server its own ranks' shards; later epochs make no
+    GET at all: what a server does not cache comes from the peer that does. Every sample exactly once an
+    epoch, with its object's bytes."""
+    pytest.importorskip("s3torchconnectorclient", reason="the object store needs the s3 extra (in the test extra)")
+    shutil.copytree(source_root, tmp_path / "store" / "data" / "train")
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(source_root) for f in names)
+    raws = [open(path, "rb").read() for path in files]
+    crcs, total = [zlib.crc32(raw) for raw in raws], sum(map(len, raws))
+    cluster = make_cluster(2)
+    _print_mode(cluster)
+    with S3Server(str(tmp_path / "store"), host=cluster.hub_address, prefix=cluster.hub_prefix()) as store:
+        results = _run(cluster, "s3://data/train", str(tmp_path / "out"), epochs=3, cache_bytes=total, nproc=2,
+                       env=store.environ())
+    _check_every_sample_once(results, crcs, 3)
+    assert all(r["stats"][0]["object_store"] for r in results)
+    gets = [_epoch_sum(results, epoch, "misses") + _epoch_sum(results, epoch, "ahead") for epoch in (1, 2, 3)]
+    assert gets == [len(files), 0, 0] and _epoch_sum(results, 1, "storage_bytes") == total
+    for epoch in (2, 3):
+        assert _epoch_sum(results, epoch, "peer_hits") > 0
+        assert _epoch_sum(results, epoch, "hits") + _epoch_sum(results, epoch, "peer_hits") == len(files)
 
 
 def _wait_paused(out: str, ranks, timeout=120) -> dict:

@@ -2,6 +2,7 @@
 and the ownership they give."""
 
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
@@ -19,6 +20,8 @@ import pytest
 
 from coordl._cache.minio import MinIOCache, cache_segment_name
 from coordl._fetch.storage import FileStorage
+from coordl._objects.manifest import Manifest
+from coordl._objects.storage import ObjectStorage
 from coordl._peer import server as peer_server
 from coordl import partitioned
 from coordl._peer import handoff, launch, topology
@@ -482,6 +485,59 @@ def test_a_peer_copy_whose_stamp_is_not_this_servers_files_is_read_from_storage(
     finally:
         for peer in peers:
             peer.close()
+
+
+class _Bucket:
+    """Three objects as an object store's client holds them (``get``, ``etag``: MD5s, as single-part
+    uploads), and as a ``CachedDataset``'s source (their URLs as keys, bytes as the sample)."""
+
+    def __init__(self):
+        self.objects = {f"p/o{i}": bytes([i]) * (100 + i) for i in range(3)}
+
+    def get(self, key):
+        return self.objects[key]
+
+    def etag(self, key):
+        return hashlib.md5(self.objects[key]).hexdigest()
+
+    def manifest(self):
+        keys = sorted(self.objects)
+        return Manifest("s3://b/p", keys, [len(self.objects[k]) for k in keys], [self.etag(k) for k in keys])
+
+    def __len__(self):
+        return len(self.objects)
+
+    def raw_key(self, i):
+        return f"s3://b/p/o{i}"
+
+    def decode_raw(self, i, raw):
+        return bytes(raw)
+
+
+def test_a_peer_copy_of_an_object_changed_in_the_bucket_is_not_used_before_the_peer_notices(tmp_path, monkeypatch):
+    """Object 1 changed in the bucket (to bytes of the same size) and this server's listing marked it, but
+    server 1 has not listed the prefix again: it still serves its cached copy with the manifest's stamp. This
+    server reads object 1 fresh from the bucket (counted stale) and takes 0 and 2 from the peer; a peer copy
+    of a changed object is no file missing here."""
+    bucket = _Bucket()
+    manifest, old = bucket.manifest(), [bucket.objects[f"p/o{i}"] for i in range(3)]
+    theirs = ObjectStorage(bucket, manifest)
+    stored = {i: theirs.read_stamped(bucket.raw_key(i)) for i in range(3)}
+    bucket.objects["p/o1"] = b"\xff" * len(old[1])
+    mine = ObjectStorage(bucket, manifest)
+    mine.changed[1] = 1  # as this server's listing at the epoch boundary marks it
+    peer = PeerServer(stored.get, 3, SECRET.encode(), "127.0.0.1",
+                      storage_id=storage_id(theirs, bucket.raw_key(0))).start()
+    try:
+        assert storage_id(mine, bucket.raw_key(0)) == peer.storage_id  # both read the same bucket: stamps compare
+        with _server_0(monkeypatch, bucket, mine, peer) as (dataset, counters):
+            _owned_by_server_1(dataset)
+            got = [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())]
+            assert got == [old[0], bucket.objects["p/o1"], old[2]]
+            totals = counters.totals()
+            assert (totals["peer_hits"], totals["stale"], totals["misses"]) == (2, 1, 1)
+    finally:
+        peer.close()
 
 
 def test_a_hand_off_carries_the_stamp_of_the_read_and_is_not_kept_after_an_edit(tmp_path, monkeypatch):
