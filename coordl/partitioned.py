@@ -1,8 +1,8 @@
 """Partitioned caching (CoorDL §4.3): the MinIO caches of a multi-server job as one aggregate cache, a local
 miss fetched from the server that caches the item before storage. Its machinery is in ``coordl._peer``:
 the topology and option (``topology``), the peers' secret (``secret``), their maps (``maps``) and shared
-state (``state``), the exchange and read path (``tier``), hand-offs (``handoff``), the peer server
-(``launch``, ``server``) and its authenticated wire (``wire``)."""
+state (``state``), the map exchange (``tier``), the read path and hand-offs in any process (``client``,
+``handoff``), the peer server (``launch``, ``server``) and its authenticated wire (``wire``)."""
 
 from coordl._peer.handoff import HANDOFF_DRAIN_S
 from coordl._peer.maps import decode_map, encode_map, owners_of

@@ -175,7 +175,7 @@ class CachedDataset(torch.utils.data.Dataset):
     def fetch_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """Raw bytes of each of ``indices``: from the node's cache (``views``: as read-only views into it,
         no copy; see ``MinIOCache.view``), else (partitioned) from the peer that
-        caches it, else from storage, offered to the cache (see ``_peer.tier`` NOTE [ Peer read path ]:
+        caches it, else from storage, offered to the cache (see ``_peer.client`` NOTE [ Peer read path ]:
         peers are asked for all of a batch's misses before storage is read).
 
         With a storage that stamps its files (``FileStorage``), a cached item is served only while its
@@ -200,7 +200,7 @@ class CachedDataset(torch.utils.data.Dataset):
         pending = None
         if self.peers is not None:
             started = time.perf_counter_ns()
-            pending = self.peers.request([indices[k] for k in misses])
+            pending = self.peers.client.request([indices[k] for k in misses])
             row[_PEER_NS] += time.perf_counter_ns() - started
         asked = pending.asked if pending is not None else ()
         try:
@@ -276,11 +276,11 @@ class CachedDataset(torch.utils.data.Dataset):
         row[_MISSES] += 1
         row[_STORAGE_BYTES] += len(raw)
         peers = self.peers
-        if peers is not None and peers.held_elsewhere(index):
+        if peers is not None and peers.client.held_elsewhere(index):
             return raw  # its owner did not deliver (slow, down, stale): no second copy while the map names it
         if cache is not None and (stamp is not None or stamped is None):
             if not cache.put(index, raw, stamp) and peers is not None and cache.full:
-                peers.hand_off(index, raw, stamp)  # see partitioned NOTE [ Hand-off ]
+                peers.client.hand_off(index, raw, stamp)  # see partitioned NOTE [ Hand-off ]
         return raw
 
     def __getitem__(self, index: int) -> Any:

@@ -16,7 +16,7 @@ server's fetching threads connecting together) and ``max_clients`` in all: past 
 closed before the greeting. So silent connections from one address cannot keep out a peer at another.
 Authenticated clients, at most ``max_clients`` (sized from the job: :func:`job_limits`), are dropped
 after ``idle_s`` (30 s) between requests; a client reopens its connection when it finds it closed
-(``_peer.tier`` NOTE [ Peer read path ]), so a job's kept connections never pile up to the cap.
+(``_peer.client`` NOTE [ Peer read path ]), so a job's kept connections never pile up to the cap.
 """
 
 import collections

@@ -751,13 +751,13 @@ def _peer_rate(peers, order: list[int], n: int, batch_size: int, cores: int) -> 
     t = peers.topology
     peers.begin_epoch(RATES_EPOCH)
     theirs = ((t.node + 1) % t.nodes) * t.local_world + t.local_rank
-    held = [i for i in order[theirs * n:(theirs + 1) * n] if peers.held_elsewhere(i)]
+    held = [i for i in order[theirs * n:(theirs + 1) * n] if peers.client.held_elsewhere(i)]
     batches = [held[i:i + batch_size] for i in range(0, len(held), batch_size)]
     got = 0
     if batches:
         started = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(cores) as pool:
-            got = sum(pool.map(lambda batch: len(peers.request(batch).collect()), batches))
+            got = sum(pool.map(lambda batch: len(peers.client.request(batch).collect()), batches))
         elapsed = time.perf_counter() - started
     if not peers.wait_for_ranks("analyze-rates", peers.exchange_s):
         raise RuntimeError(f"coordl analyze: not every server's ranks fetched from their peers within "

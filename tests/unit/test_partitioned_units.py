@@ -327,8 +327,8 @@ _EXITING_RANK = textwrap.dedent("""
                                     master_addr="127.0.0.1", master_port=store.port, run="exit")
     tier = partitioned.PeerTier(topology, None, Source(), None, processes=1)
     tier.begin_epoch(1)  # the learner waits for server 1's address: it never comes
-    tier.hand_off(0, b"x" * 10, None)  # the sender waits for an address to hand it to
-    sender = tier._hand_off[1]
+    tier.client.hand_off(0, b"x" * 10, None)  # the sender waits for an address to hand it to
+    sender = tier.client._hand_off[1]
     while not sender._busy:
         time.sleep(0.01)
     time.sleep(0.3)  # both threads in their waits
@@ -565,7 +565,7 @@ def test_a_hand_off_carries_the_stamp_of_the_read_and_is_not_kept_after_an_edit(
             with _server_0(monkeypatch, files, storage, peer, cache_bytes=1) as (dataset, counters):
                 storage.armed = True
                 assert [bytes(raw) for raw in dataset.fetch_many([1, 2], counters.row())] == before[1:]
-                dataset.peers._hand_off[1].drain()
+                dataset.peers.client.drain_hand_offs()
                 assert dataset.peers.peer_stats()[0]["handed_off"] == 1
         finally:
             peer.close()
@@ -701,7 +701,7 @@ def test_a_connection_the_peer_dropped_as_idle_is_reopened_and_costs_no_peer_hit
         with _server_0(monkeypatch, files, storage, peer) as (dataset, counters):
             _owned_by_server_1(dataset)
             assert [bytes(raw) for raw in dataset.fetch_many([0, 1, 2], counters.row())] == files.read()
-            kept = dataset.peers._connections()[1].sock
+            kept = dataset.peers.client._connections()[1].sock
             assert select.select([kept], [], [], 5)[0]  # server 1 closed it (idle)
             peer.idle_s = 60.0  # from now on connections are dropped by the hook only
             monkeypatch.setattr(peer_server.wire, "read_request", drop_a_kept_connection)
