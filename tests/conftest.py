@@ -9,6 +9,7 @@ import secrets
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -147,6 +148,19 @@ def _wait_until(done, timeout: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+@pytest.fixture(autouse=True)
+def temp_dir(monkeypatch, tmp_path_factory):
+    """Each test's temporary files in a folder of its own (``$TMPDIR`` and ``tempfile``'s default for what it
+    starts: torchrun's logs, multiprocessing's folders), removed after it, also what a process it killed
+    left there. pytest's own folders (``tmp_path``) stay where they are."""
+    tmp_path_factory.getbasetemp()  # made once, where tempfile says before this
+    path = tempfile.mkdtemp(prefix="cdltest-")
+    monkeypatch.setenv("TMPDIR", path)
+    monkeypatch.setattr(tempfile, "tempdir", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
