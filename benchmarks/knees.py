@@ -8,7 +8,7 @@ as in ``benchmarks.analyzer`` (after its warm-up):
    (``cache_knee``), and of the job fully cached with one worker the fewest workers that remove the prep
    stall (``workers_knee``);
 2. the job is measured (``--reps`` runs, interleaved) at every cache fraction from 0 to 100% in steps of
-   ``--step``, and fully cached with 1 to ``2 × cores`` workers;
+   ``--step``, and fully cached with 1 to ``2 × cores`` workers (``--quick``: 1 to ``cores``);
 3. the measured knee is the least cache fraction (workers) whose median samples/s is within ``--within``
    of the best measured; the recommendation is also run as such: the measured samples/s at the predicted
    knee (rounded up to the grid) over the prediction there (goal: ≥ 95%).
@@ -29,14 +29,14 @@ from benchmarks import analyzer, report
 from benchmarks.metrics import spread
 from harness.storage_env import Cleanup, cgroup_version
 
-FULL = dict(settings=((20.0, 1), (10.0, 2)), reps=2, step=0.05)
-QUICK = dict(settings=((10.0, 1),), reps=1, step=0.5)
+FULL = dict(settings=((20.0, 1), (10.0, 2)), reps=2, step=0.05, workers_per_core=2)
+QUICK = dict(settings=((10.0, 1),), reps=1, step=0.5, workers_per_core=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.knees", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where results.json, setup.json, results.md and knees.png go")
-    parser.add_argument("--quick", action="store_true", help="1 setting, 3 cache fractions, 1 run each, small")
+    parser.add_argument("--quick", action="store_true", help="1 setting, 3 cache fractions, 1 to cores workers, 1 run each, small")
     analyzer.add_job_arguments(parser, epochs=4)
     parser.add_argument("--within", type=float, default=0.03, help="a knee: within this of the best (default 0.03)")
     return parser.parse_args(argv)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         print(f"{mbps:g} MB/s, fully cached, 1 worker: analyzing ...", flush=True)
         _checked(analyzer.analyze(cleanup, storage, config, args, where), over)
         pipeline, _ = load(os.path.join(where, "analysis.json"))
-        worker_counts = list(range(1, 2 * cores + 1))
+        worker_counts = list(range(1, grid["workers_per_core"] * cores + 1))
         runs = [(w, rep) for rep in range(grid["reps"]) for w in worker_counts]
         random.Random(args.seed + 1).shuffle(runs)
         measured = {w: [] for w in worker_counts}

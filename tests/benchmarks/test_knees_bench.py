@@ -42,7 +42,7 @@ def test_quick_run(tmp_path):
     assert setting["measured_cache_knee"] == knee(curve, result["within"])
     assert setting["predicted_cache_knee"] is None or 0 <= setting["predicted_cache_knee"] <= 1
     workers = result["workers"]
-    assert [c["workers"] for c in workers["curve"]] == list(range(1, 2 * len(os.sched_getaffinity(0)) + 1))
+    assert [c["workers"] for c in workers["curve"]] == list(range(1, len(os.sched_getaffinity(0)) + 1))
     assert workers["measured_workers_knee"] == knee({c["workers"]: c["measured"]["median"]
                                                      for c in workers["curve"]}, result["within"])
     assert "predicted cache knee" in (out / "results.md").read_text()
