@@ -254,6 +254,21 @@ def test_a_cache_s_server_hashes_an_item_once_and_the_client_checks_its_bytes_ag
         wrong.close()
 
 
+def test_a_reply_of_many_items_past_the_sockets_buffers_arrives_whole_and_in_order():
+    """2,000 items (8 MB, some empty or absent) gathered into few writes, each taking what the socket takes
+    (partial writes, more buffers than one write holds): the client reads each item's bytes, in order."""
+    server, client = _pair()
+    items = [(i, None if i % 7 == 3 else (bytes([i % 256]) * (i * 37 % 8000), None)) for i in range(2000)]
+    sender = threading.Thread(target=wire.send_reply,
+                              args=(server, [(i, f and (*f, wire.item_digest(f[0]))) for i, f in items]))
+    sender.start()
+    got = list(wire.read_reply(client, [i for i, _ in items], time.monotonic() + 20))
+    sender.join()
+    assert got == [(i, None if f is None else f[0], None) for i, f in items]
+    server.close()
+    client.close()
+
+
 def test_a_hand_off_is_kept_checked_and_answered_between_requests(server):
     with contextlib.closing(_client(server.address)) as conn:
         wire.send_keep(conn, 3, b"three" * 100, None)
