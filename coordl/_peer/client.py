@@ -114,7 +114,7 @@ class PeerClient:
 
     def hand_off(self, index: int, raw, stamp) -> None:
         """Offer ``index``'s bytes, just read from storage with ``stamp`` while this node's cache is full, to a
-        peer whose cache still takes items (in the background: see NOTE [ Hand-off ])."""
+        peer whose cache still takes items (in the background: see ``_peer.handoff`` NOTE [ Hand-off ])."""
         if self.state.owner[index] >= 0:  # a server holds it (down, or its copy stale): no second copy
             return
         full, down = self.state.full, self.state.down
@@ -131,7 +131,7 @@ class PeerClient:
     def _hand_to_a_peer(self, index: int, raw: bytes, stamp) -> None:
         """In the sender thread: give ``index`` to the first server after this one that keeps it. While no
         server that may take it has an address yet (at the first epoch's start, servers come up together),
-        it waits for one, for at most :data:`HANDOFF_DRAIN_S` in this process's life. A server that fails a
+        it waits for one, for at most ``handoff.HANDOFF_DRAIN_S`` in this process's life. A server that fails a
         hand-off (slow, gone, broken) gets no more from this process; reads find out for themselves."""
         t, state = self.topology, self.state
         row = self.counters_row()
@@ -211,6 +211,8 @@ class PeerClient:
         return channel
 
     def mark_down(self, node: int, error: BaseException) -> None:
+        """Drop the connection to ``node`` and mark it down for the rest of the epoch (every process of this
+        rank skips it), saying so once."""
         self._close_connection(node)
         if not self.state.down[node]:
             self.state.down[node] = 1
@@ -231,7 +233,6 @@ class PeerClient:
         """This process's per-node counters (a writable numpy view)."""
         table = self.state.counters
         return table[own_row(len(table))]
-
 
     def drain_hand_offs(self) -> None:
         """Wait until this process's queued hand-offs are sent (at most ``handoff.HANDOFF_DRAIN_S``)."""

@@ -30,10 +30,10 @@ when the interpreter starts finalizing aborts the whole process as the call retu
 without an active exception", SIGABRT): CPython then ends the thread by unwinding through torch's C++
 frames. So the two background threads of the peer tier are kept out of torch: the hand-off sender
 (``_peer.client``) touches only numpy views of :class:`PeerState` and sockets, and is stopped and joined
-when its process exits
-(multiprocessing's exit hook, which a torch worker also runs); the address learner, which must ask the
-store, waits there in short calls (``ADDRESS_WAIT_S``) between which it looks at a stop flag, and is
-stopped and joined at exit (a ``weakref.finalize``) before finalization begins.
+when its process exits (multiprocessing's exit hook, which a torch worker also runs); the address
+learner, which must ask the store, waits there in short calls (``ADDRESS_WAIT_S``) between which it
+looks at a stop flag, and is stopped and joined at exit (a ``weakref.finalize``) before finalization
+begins.
 """
 
 
