@@ -62,8 +62,8 @@ which the client computes from the bytes it received. So a byte altered, dropped
 replayed from another message or connection fails its tag, and the receiver drops the connection (a
 ``PeerProtocolError``). A server whose items' bytes never change (a cache's) works out each item's digest
 once, the first time it serves it (``_peer.server.ItemDigests``), so a later epoch's item is hashed once,
-at the rank that uses it, not at both ends. A reply item's stamp is the one the server's copy was stored with, checked
-against the server's file as it is served; a hand-off's is the sender's read's.
+at the rank that uses it, not at both ends. A reply item's stamp is the one the server's copy was stored
+with, checked against the server's file as it is served; a hand-off's is the sender's read's.
 """
 
 import collections
