@@ -82,6 +82,8 @@ def build_loader(spec: dict):
     import coordl
 
     kwargs = dict(common, cache_bytes=spec["cache_bytes"], cache_name=spec["cache_name"])
+    if spec.get("cache_dir"):
+        kwargs.update(cache_dir=spec["cache_dir"], cache_dir_bytes=spec.get("cache_dir_bytes", "auto"))
     if system == "coordl-dali":
         dataset = torchvision.datasets.ImageFolder(root)
         kwargs.update(backend="dali", dali_pipeline="image_classification", dali_device="cpu")
@@ -207,7 +209,7 @@ def run(spec: dict) -> None:
     """Run ``spec["epochs"]`` epochs and print a JSON line for each, then ``{"cache": ...}``.
 
     spec keys: system, root, batch_size, workers, epochs, compute_ms, cache_bytes, cache_name,
-    seed, counter (see :func:`harness.storage_env.device_read_bytes`), store_socket (emulated
+    cache_dir and cache_dir_bytes (the disk tier; optional), seed, counter (see :func:`harness.storage_env.device_read_bytes`), store_socket (emulated
     mode, else None).
     """
     from harness.storage_env import device_read_bytes
@@ -231,7 +233,8 @@ def run(spec: dict) -> None:
                "label_counts_match": seen["labels"] == expected}
         if spec["system"] in COORDL_SYSTEMS:
             e = loader.stats().epochs[-1]
-            row.update(hits=e.hits, misses=e.misses, storage_bytes=e.storage_bytes, loader_stall_s=e.stall_s)
+            row.update(hits=e.hits, misses=e.misses, storage_bytes=e.storage_bytes, loader_stall_s=e.stall_s,
+                       disk_hits=e.disk_hits, disk_bytes=e.disk_bytes, corrupt=e.corrupt)
         print(json.dumps(row), flush=True)
     cache = None
     if spec["system"] in COORDL_SYSTEMS:

@@ -1,13 +1,17 @@
-"""The ``coordl`` command: ``coordl demo``, ``coordl analyze``, ``coordl whatif``, ``coordl cache ls|rm``,
+"""The ``coordl`` command: ``coordl demo``, ``coordl analyze``, ``coordl whatif``, ``coordl cache ls|rm`` (shared
+memory and disk caches),
 ``coordl group ls|rm``."""
 
 import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
+from coordl._core import settings
+from coordl._disk.folder import DiskCacheInfo, list_disk_caches, remove_disk_cache
 from coordl._core.shm import Unreadable, segment_path, shm_dir
 from coordl._core.sizes import format_bytes, parse_size_option
 
@@ -53,6 +57,8 @@ def _mapping_processes(names: list[str]) -> dict[str, list[str]]:
 
 def _cache_ls(args) -> int:
     found = minio_cache.list_caches()
+    if args.cache_dir:
+        _disk_ls(args.cache_dir)
     if not found:
         print(f"no coordl caches in {shm_dir()}")
         return 0
@@ -75,6 +81,53 @@ def _cache_ls(args) -> int:
               f"{shm_dir()} is sparse, so `ls` shows the capacity)")
     _print_unreadable(found)
     return 0
+
+
+def _disk_ls(cache_dir: str) -> None:
+    """The disk caches in ``cache_dir`` (read only)."""
+    caches = list_disk_caches(cache_dir)
+    if not caches:
+        print(f"no coordl disk caches in {cache_dir}")
+        return
+    print(f"{'disk cache':<26}{'items':>16}{'complete':>10}{'on disk':>12}  {'last use':<17}{'in use':>7}  dataset")
+    for c in caches:
+        last = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.last_use))
+        print(f"{c.name:<26}{f'{c.items_cached}/{c.n_items}':>16}{c.fill_fraction:>10.0%}"
+              f"{format_bytes(c.bytes_on_disk):>12}  {last:<17}{'yes' if c.in_use else 'no':>7}  {c.label}")
+    print(f"(disk caches in {cache_dir}; `coordl cache rm NAME --cache-dir {cache_dir}` removes one no job uses)")
+
+
+def _cache_warm(args) -> int:
+    """``coordl cache warm SPEC``: fill the disk cache of an ImageFolder's root or an s3:// prefix ahead of
+    training (the cache a job over the same files or objects opens)."""
+    if not args.cache_dir:
+        print("coordl cache warm needs --cache-dir (or $COORDL_CACHE_DIR): the disk tier's folder", file=sys.stderr)
+        return 2
+    import torchvision
+    from tqdm.auto import tqdm
+
+    import coordl
+    if args.dataset.startswith("s3://"):
+        dataset = coordl.ObjectImageFolder(args.dataset)
+    elif os.path.isdir(args.dataset):
+        dataset = torchvision.datasets.ImageFolder(args.dataset)
+    else:
+        print(f"coordl cache warm: {args.dataset!r} is neither a folder (an ImageFolder's root) nor an s3:// prefix",
+              file=sys.stderr)
+        return 2
+    loader = coordl.DataLoader(dataset, cache_bytes=0, cache_dir=args.cache_dir, cache_dir_bytes=args.cache_dir_bytes)
+    tier, source = loader.dataset.storage, loader.dataset.source
+    keys = [source.raw_key(i) for i in range(len(source))]
+    started = time.monotonic()
+    with tqdm(unit="B", unit_scale=True, desc="coordl cache warm", disable=not sys.stderr.isatty()) as bar:
+        items, nbytes = tier.warm(keys, args.jobs, done=bar.update)
+    took = time.monotonic() - started
+    (info,) = [c for c in list_disk_caches(args.cache_dir) if c.name == os.path.basename(tier.cache.folder)]
+    print(f"read {items} of {len(keys)} items ({format_bytes(nbytes)}) in {took:.1f} s "
+          f"({nbytes / 2**20 / max(took, 1e-9):.1f} MiB/s); the disk cache {info.name} holds "
+          f"{info.items_cached}/{info.n_items} ({format_bytes(info.bytes_on_disk)})")
+    loader.close()
+    return 0 if info.items_cached == info.n_items else 1
 
 
 def _remove(args, kind: str, found: dict, alive: Callable, remove: Callable, describe: Callable) -> int:
@@ -111,6 +164,8 @@ def _remove(args, kind: str, found: dict, alive: Callable, remove: Callable, des
 
 
 def _describe_cache(c) -> str:
+    if isinstance(c, DiskCacheInfo):
+        return f"disk, {format_bytes(c.bytes_on_disk)}, {c.label}"
     return c.why if isinstance(c, Unreadable) else f"{format_bytes(c.capacity_bytes)}, {c.label}"
 
 
@@ -119,8 +174,14 @@ def _describe_group(g) -> str:
 
 
 def _cache_rm(args) -> int:
-    return _remove(args, "cache", {c.name: c for c in minio_cache.list_caches()}, lambda c: c.users_alive,
-                   minio_cache.remove_cache, _describe_cache)
+    found = {c.name: c for c in minio_cache.list_caches()}
+    # a disk cache outlives its jobs: no users is what it is for, so --stale leaves them alone
+    disk = {c.name: c for c in list_disk_caches(args.cache_dir)} if args.cache_dir and not args.stale else {}
+
+    def remove(name: str, force: bool) -> bool:
+        return remove_disk_cache(args.cache_dir, name) if name in disk else minio_cache.remove_cache(name, force=force)
+    return _remove(args, "cache", {**found, **disk}, lambda c: int(c.in_use) if isinstance(c, DiskCacheInfo)
+                   else c.users_alive, remove, _describe_cache)
 
 
 def _group_ls(args) -> int:
@@ -238,11 +299,25 @@ def _subcommands(parser: argparse.ArgumentParser, what: str):
     return commands
 
 
-def _add_ls_rm(sub, kind: str, what: str, *, ls: tuple, rm: tuple, users: str, in_use: str) -> None:
-    """``coordl KIND ls`` and ``coordl KIND rm [NAME ...] [--stale] [--force] [--dry-run]``."""
-    commands = _subcommands(sub.add_parser(kind, help=f"inspect and remove {what} in /dev/shm"), "subcommand")
-    commands.add_parser("ls", help=ls[1]).set_defaults(func=ls[0])
+def _add_ls_rm(sub, kind: str, what: str, *, ls: tuple, rm: tuple, users: str, in_use: str,
+               disk: bool = False) -> None:
+    """``coordl KIND ls`` and ``coordl KIND rm [NAME ...] [--stale] [--force] [--dry-run]`` (``disk``: both
+    with ``--cache-dir``, the disk tier's folder)."""
+    where = "/dev/shm and the disk tier's folder" if disk else "/dev/shm"
+    commands = _subcommands(sub.add_parser(kind, help=f"inspect and remove {what} in {where}"), "subcommand")
+    listing = commands.add_parser("ls", help=ls[1])
+    listing.set_defaults(func=ls[0])
     remove = commands.add_parser("rm", help=rm[1])
+    if disk:
+        warm = commands.add_parser("warm", help="fill the disk cache of a dataset ahead of training")
+        warm.add_argument("dataset", help="an ImageFolder's root folder, or an s3:// prefix (ObjectImageFolder)")
+        warm.add_argument("--jobs", type=_whole_number(1), default=16, help="reads at once (default: 16)")
+        warm.add_argument("--cache-dir-bytes", default="auto", help="the disk caches' quota, as cache_dir_bytes= "
+                                                                    "(default: auto)")
+        warm.set_defaults(func=_cache_warm)
+    for command in (listing, remove, warm) if disk else ():
+        command.add_argument("--cache-dir", default=settings.cache_dir(),
+                             help="the disk tier's folder (default: $COORDL_CACHE_DIR)")
     remove.add_argument("names", nargs="*", help=f"{kind}s to remove (as `coordl {kind} ls` names them)")
     remove.add_argument("--stale", action="store_true", help=f"remove every {kind} whose {users} are all gone")
     remove.add_argument("--force", action="store_true", help=f"also remove {kind}s {in_use}")
@@ -302,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     whatif.set_defaults(func=_whatif)
 
     _add_ls_rm(sub, "cache", "MinIO caches", ls=(_cache_ls, "list caches, their fill and users"),
-               rm=(_cache_rm, "remove caches"), users="users", in_use="still in use")
+               rm=(_cache_rm, "remove caches"), users="users", in_use="still in use (never a disk cache in use)",
+               disk=True)
     _add_ls_rm(sub, "group", "hp_groups (coordinated prep)",
                ls=(_group_ls, "list groups, their members, epochs and staging memory"),
                rm=(_group_rm, "remove groups and their staged batches"), users="members", in_use="with live members")

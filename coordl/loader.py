@@ -10,6 +10,7 @@ adds what only it can see: how long the training loop waits for each batch, and 
 """
 
 import logging
+import os
 import time
 import weakref
 from typing import TypeVar
@@ -18,8 +19,8 @@ import torch.utils.data
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from tqdm.auto import tqdm
 
-from coordl._cache.setup import CACHE_VERIFY, wrap_dataset
-from coordl._core import hooks
+from coordl._cache.setup import CACHE_VERIFY, disk_quota, wrap_dataset
+from coordl._core import hooks, settings
 from coordl._core.keywords import suggest_keywords
 from coordl._core.log import configure_from_env, warn_caller
 from coordl._core.settings import DEFAULT_GROUP_TIMEOUT_S
@@ -91,6 +92,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             so that memory stays the MinIO cache's. Defaults to None: on while the cache is on.
         storage: where misses are read from: any object with ``read(key) -> bytes`` (keys are what
             the dataset's ``raw_key`` returns). Defaults to None: local files.
+        cache_dir: a folder on a local disk for the disk cache tier, which keeps the dataset's raw bytes after
+            the job, for the next jobs (and what the memory cache cannot hold): misses of the memory cache
+            are read from it before storage, and what is read from storage is written to it behind the
+            training loop, once (see ``coordl._disk.tier``). Defaults to None: ``$COORDL_CACHE_DIR``, else no
+            disk tier.
+        cache_dir_bytes: bytes the disk caches in ``cache_dir`` may take together (an int or a size string
+            such as ``"500GiB"``); the least recently used dataset no live job uses is removed when another
+            needs room, and a full quota stops the writes. ``"auto"``: grow while the file system keeps 10%
+            free. Defaults to ``"auto"``.
         progress: show a tqdm progress bar per epoch. Defaults to False.
         backend: who decodes and augments. ``"torch"``: the dataset's own code in torch's worker
             processes. ``"dali"``: a DALI pipeline (``dali_pipeline``) fed with the raw bytes from
@@ -155,7 +165,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
                  pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, cache_verify="stat",
-                 drop_page_cache=None, storage=None, progress=False, backend="torch",
+                 drop_page_cache=None, storage=None, cache_dir=None, cache_dir_bytes="auto", progress=False,
+                 backend="torch",
                  dali_pipeline="image_classification", dali_device="cpu", dali_train=None, hp_group=None,
                  hp_group_size=None, hp_staging_bytes="auto", hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S,
                  hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto", locality_aware=False):
@@ -167,6 +178,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
             batch_sampler, shuffle = None, None
         capacity = parse_size_option("cache_bytes", cache_bytes, allow_zero=True)
+        quota = disk_quota(cache_dir_bytes)
+        disk_folder = cache_dir if cache_dir is not None else settings.cache_dir()
+        if disk_folder is not None and (not isinstance(disk_folder, (str, os.PathLike)) or not str(disk_folder)):
+            raise ValueError(f"cache_dir should be a folder's path or None, but got cache_dir={cache_dir!r}")
         if cache_verify not in CACHE_VERIFY:
             raise ValueError(f"cache_verify should be one of {CACHE_VERIFY}, but got cache_verify={cache_verify!r}")
         use_dali = _use_dali(backend, dataset, batch_size, batch_sampler)
@@ -190,6 +205,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _warn_unused_dali_options(dali_pipeline, dali_device, dali_train)
         self.cache_bytes, self.cache_name, self.cache_verify = cache_bytes, cache_name, cache_verify
         self.drop_page_cache, self.storage, self.progress = drop_page_cache, storage, progress
+        self.cache_dir, self.cache_dir_bytes = cache_dir, cache_dir_bytes
         self.backend, self.dali_pipeline, self.dali_device, self.dali_train = \
             backend, dali_pipeline, dali_device, dali_train
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
@@ -198,6 +214,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
                                decode=not use_dali, storage=storage,
+                               cache_dir=None if disk_folder is None else os.fspath(disk_folder), cache_dir_bytes=quota,
                                partitioned=False if hp_group is not None and partitioned == "auto" else partitioned)
         dali = None
         if use_dali:
@@ -395,11 +412,11 @@ def _warn_unused_dali_options(pipeline, device, train) -> None:
 
 
 def _release(dataset) -> None:
-    """Stop the peer server this loader started (partitioned) and give up its use of the cache."""
+    """Stop the peer server this loader started (partitioned) and give up its use of the caches."""
     if getattr(dataset, "peers", None) is not None:
         dataset.peers.close()
-    if getattr(dataset, "cache", None) is not None:
-        dataset.cache.close()
+    if isinstance(dataset, CachedDataset):
+        dataset._release()
 
 
 class _CacheFill:

@@ -33,6 +33,10 @@ class EpochStats:
     :attr:`gets`, :attr:`get_bytes`, :attr:`get_wait_s` and :attr:`lookahead_hits` sum them up. ``lists``
     counts the LIST requests that looked for changes in the bucket before the epoch began; :attr:`request_cost`
     prices the requests.
+
+    With a disk tier (``disk_tier``), ``disk_hits`` (``disk_bytes``, ``disk_wait_s``) count the misses of the
+    memory cache it served, which ``misses`` and ``storage_bytes`` do not count, and ``corrupt`` the items it
+    held whose bytes failed their check (read from storage instead).
     """
 
     epoch: int
@@ -66,6 +70,11 @@ class EpochStats:
     staged: int = 0
     lists: int = 0
     object_store: bool = False
+    disk_hits: int = 0
+    disk_bytes: int = 0
+    disk_wait_s: float = 0.0
+    corrupt: int = 0
+    disk_tier: bool = False
 
     @property
     def gets(self) -> int:
@@ -114,6 +123,9 @@ class EpochStats:
             line += (f" gets={self.gets} get_bytes={self.get_bytes} lists={self.lists} "
                      f"lookahead_hits={self.lookahead_hits} staged={self.staged} waits={self.waits} get_wait_s={self.get_wait_s:.3f} "
                      f"request_cost={self.request_cost:.6f}")
+        if self.disk_tier:
+            line += (f" disk_hits={self.disk_hits} disk_bytes={self.disk_bytes} corrupt={self.corrupt} "
+                     f"disk_wait_s={self.disk_wait_s:.3f}")
         if self.servers:
             line += (f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved} "
                      f"peer_wait_s={self.peer_wait_s:.3f}")
@@ -145,6 +157,8 @@ class LoaderStats:
                    ("stall s", lambda e: _seconds(e.stall_s, ".2f")), ("time s", lambda e: f"{e.time_s:.2f}")]
         if self.total.object_store:
             columns.insert(5, ("GETs", lambda e: str(e.gets)))
+        if self.total.disk_tier:
+            columns.insert(5, ("disk hits", lambda e: str(e.disk_hits)))
         if self.total.servers:
             columns.insert(5, ("peer hits", lambda e: str(e.peer_hits)))
         if self.total.group is not None:
@@ -179,7 +193,9 @@ def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     """Accumulate ``epoch``'s counts into ``total`` (whose ``stall_s`` is None once an epoch's is)."""
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "time_s",
                   "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved", "storage_wait_s",
-                  "peer_wait_s", "prep_s", "waits", "wait_s", "ahead", "ahead_bytes", "staged", "lists"):
+                  "peer_wait_s", "prep_s", "waits", "wait_s", "ahead", "ahead_bytes", "staged", "lists",
+                  "disk_hits", "disk_bytes", "disk_wait_s", "corrupt"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))
     total.object_store = total.object_store or epoch.object_store
+    total.disk_tier = total.disk_tier or epoch.disk_tier
     total.stall_s = None if total.stall_s is None or epoch.stall_s is None else total.stall_s + epoch.stall_s

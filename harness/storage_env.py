@@ -156,36 +156,49 @@ def _unmount(mount_point: str) -> None:
 
 def copy_to_loop_disk(cleanup: "Cleanup", folder: str, source: str) -> LoopDisk:
     """Copy the tree at ``source`` onto a new :class:`LoopDisk` in ``folder`` (image ``dataset.img``,
-    mounted at ``disk/``). Each piece is registered with ``cleanup`` as it is made; if a step fails,
-    the pieces made so far are removed before the error propagates.
+    mounted at ``disk/``), sized for it. Each piece is registered with ``cleanup`` as it is made; if a step
+    fails, the pieces made so far are removed before the error propagates.
 
     Raises:
         OSError: a step failed, or a tool is missing (what, and why).
     """
+    with contextlib.ExitStack() as made:
+        disk = _loop_disk(made, folder, *_image_size(source))
+        disk.root = shutil.copytree(source, os.path.join(disk.mount_point, os.path.basename(os.path.normpath(source))))
+        cleanup.enter_context(made.pop_all())
+    return disk
+
+
+def loop_disk(cleanup: "Cleanup", folder: str, size: int, inodes: int = 1024) -> LoopDisk:
+    """An empty :class:`LoopDisk` of ``size`` bytes and ``inodes`` inodes in ``folder`` (its ``root`` is its
+    mount point), registered with ``cleanup`` as :func:`copy_to_loop_disk` does."""
+    with contextlib.ExitStack() as made:
+        disk = _loop_disk(made, folder, size, inodes)
+        cleanup.enter_context(made.pop_all())
+    return disk
+
+
+def _loop_disk(made: contextlib.ExitStack, folder: str, size: int, inodes: int) -> LoopDisk:
     missing = [tool for tool in LOOP_TOOLS if shutil.which(tool) is None]
     if missing:
         raise OSError(f"{', '.join(missing)} not found (install util-linux and e2fsprogs)")
-    size, inodes = _image_size(source)
-    with contextlib.ExitStack() as made:
-        image, mount_point = os.path.join(folder, "dataset.img"), os.path.join(folder, "disk")
-        with open(image, "wb") as f:
-            f.truncate(size)  # sparse: the disk holds only what is written
-        made.callback(os.remove, image)
-        _tool("mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-m", "0", "-N", str(inodes), "-O", "^has_journal",
-              "-E", "lazy_itable_init=0,nodiscard", image)
-        loop = _tool("losetup", "--find", "--show", "--direct-io=on", image)
-        made.callback(_tool, "losetup", "--detach", loop)
-        sys_dir = f"/sys/block/{os.path.basename(loop)}"
-        if _read(f"{sys_dir}/loop/dio") != "1":
-            raise OSError(f"{loop}: direct I/O refused over {image} (its page cache would hold the dataset a "
-                          "second time); put --workdir on a filesystem that supports O_DIRECT")
-        os.mkdir(mount_point)
-        made.callback(os.rmdir, mount_point)
-        _tool("mount", "-o", "noatime", loop, mount_point)
-        made.callback(_unmount, mount_point)
-        root = shutil.copytree(source, os.path.join(mount_point, os.path.basename(os.path.normpath(source))))
-        cleanup.enter_context(made.pop_all())
-    return LoopDisk(image, loop, _read(f"{sys_dir}/dev"), mount_point, root)
+    image, mount_point = os.path.join(folder, "dataset.img"), os.path.join(folder, "disk")
+    with open(image, "wb") as f:
+        f.truncate(size)  # sparse: the disk holds only what is written
+    made.callback(os.remove, image)
+    _tool("mkfs.ext4", "-q", "-F", "-b", str(FS_BLOCK), "-m", "0", "-N", str(inodes), "-O", "^has_journal",
+          "-E", "lazy_itable_init=0,nodiscard", image)
+    loop = _tool("losetup", "--find", "--show", "--direct-io=on", image)
+    made.callback(_tool, "losetup", "--detach", loop)
+    sys_dir = f"/sys/block/{os.path.basename(loop)}"
+    if _read(f"{sys_dir}/loop/dio") != "1":
+        raise OSError(f"{loop}: direct I/O refused over {image} (its page cache would hold the dataset a "
+                      "second time); put --workdir on a filesystem that supports O_DIRECT")
+    os.mkdir(mount_point)
+    made.callback(os.rmdir, mount_point)
+    _tool("mount", "-o", "noatime", loop, mount_point)
+    made.callback(_unmount, mount_point)
+    return LoopDisk(image, loop, _read(f"{sys_dir}/dev"), mount_point, mount_point)
 
 
 @dataclasses.dataclass

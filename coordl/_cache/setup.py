@@ -16,14 +16,18 @@ from coordl._cache.minio import MinIOCache, cache_segment_name, index_bytes
 from coordl._core.log import warn_caller
 from coordl._core.settings import AUTO_CACHE_MEMORY_FRACTION, AUTO_CACHE_SHM_KEEP_FRACTION
 from coordl._core.shm import free_shm_bytes, shm_dir, total_shm_bytes
-from coordl._core.sizes import format_bytes
+from coordl._core.sizes import format_bytes, parse_size_option
 from coordl._core.sysinfo import available_memory_bytes
+from coordl._disk.cache import DiskCache, DiskCacheMismatch
+from coordl._disk.folder import folder_of
+from coordl._disk.tier import DiskTier
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
 from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._fetch.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
 from coordl._fetch.storage import FileStorage
 from coordl._peer.tier import PeerTier
 from coordl._peer.topology import resolve as resolve_partitioned
+from coordl.exceptions import CacheMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,8 @@ def _warn_once(key, message: str) -> None:
 
 
 def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache_verify: str,
-                 drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None, partitioned=False):
+                 drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None, partitioned=False,
+                 cache_dir: str | None = None, cache_dir_bytes=None):
     """The dataset torch will see: the user's dataset behind coordl's fetch path, or the user's dataset
     itself when coordl cannot cache it (it then loads as with torch, and coordl says so once).
 
@@ -69,6 +74,8 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
         storage: where misses are read from (a ``coordl._fetch.storage.Storage``). Defaults to the dataset's
             own (:func:`storage_of`: an object store's), else local files.
         partitioned: ``partitioned=`` of the loader (see ``partitioned.resolve``).
+        cache_dir, cache_dir_bytes: the disk tier's folder (None: no disk tier) and quota (``cache_dir_bytes=``
+            of the loader, checked: see :func:`open_disk_tier`).
     """
     identity = peers = None
     if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
@@ -85,14 +92,24 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
         return dataset
     cache, own = None, storage_of(source)
     storage = storage if storage is not None else own
+    if identity is None and (capacity != 0 or cache_dir is not None):
+        named = getattr(source, "raw_identity", None)
+        identity = named() if named is not None else \
+            dataset_identity(source, local=storage is None, content=cache_verify == "content")
     if capacity != 0:
-        if identity is None:
-            named = getattr(source, "raw_identity", None)
-            identity = named() if named is not None else \
-                dataset_identity(source, local=storage is None, content=cache_verify == "content")
         cache = open_cache(dataset, source, identity, capacity, cache_name=cache_name)
-    drop = cache is not None if drop_page_cache is None else bool(drop_page_cache)
+    drop = cache is not None or cache_dir is not None if drop_page_cache is None else bool(drop_page_cache)
     storage = storage if storage is not None else FileStorage(drop_page_cache=drop)
+    if cache_dir is not None and len(source):
+        try:
+            storage = open_disk_tier(storage, cache_dir, cache_dir_bytes, scope=cache_name or identity.hex(),
+                                     n_items=len(source), label=_cache_label(dataset, source, cache_name))
+        except BaseException:
+            if cache is not None:
+                cache.close()
+            raise
+    rows = num_workers + 1 + reads_concurrently(storage)  # the last one the look-ahead's (NOTE [ Look-ahead ])
+    counters = SampleCounters(rows)
     topology = resolve_partitioned(partitioned, cache is not None)
     if topology is not None:  # each loader its own, as every rank re-creates loaders alike (Lightning)
         try:
@@ -100,8 +117,35 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
         except BaseException:
             cache.close()
             raise
-    rows = num_workers + 1 + reads_concurrently(storage)  # the last one the look-ahead's (NOTE [ Look-ahead ])
-    return CachedDataset(dataset, source, cache, storage, SampleCounters(rows), identity, peers)
+    wrapped = CachedDataset(dataset, source, cache, storage, counters, identity, peers)
+    if isinstance(storage, DiskTier):
+        storage.counted_in = wrapped
+    return wrapped
+
+
+def open_disk_tier(storage, cache_dir: str, quota: int | None, *, scope: str, n_items: int, label: str) -> DiskTier:
+    """``storage`` behind the disk cache of the dataset named ``scope`` in ``cache_dir``, opened now (so a
+    folder that cannot be made or read fails here, naming it). ``quota``: bytes of ``cache_dir`` the disk
+    caches may take (None: ``"auto"``, see ``_disk.folder.room_for``)."""
+    folder = folder_of(os.path.abspath(cache_dir), scope)
+    cache = DiskCache(folder, identity=scope, n_items=n_items, label=label)
+    try:
+        cache.items()
+    except DiskCacheMismatch as e:
+        raise CacheMismatchError(f"coordl: {e}; remove it (coordl cache rm {os.path.basename(folder)} --cache-dir "
+                                 f"{cache_dir}) or pass another cache_dir or cache_name") from None
+    except OSError as e:
+        raise OSError(e.errno, f"coordl cannot use cache_dir={cache_dir!r} for the disk tier: {e.strerror or e} "
+                               f"({e.filename or folder})") from e
+    return DiskTier(storage, cache, os.path.abspath(cache_dir), quota)
+
+
+def disk_quota(cache_dir_bytes) -> int | None:
+    """``cache_dir_bytes=`` as bytes: an int or a size string (``"500GiB"``), or None for ``"auto"``."""
+    if isinstance(cache_dir_bytes, str) and cache_dir_bytes.strip().endswith("%"):
+        raise ValueError(f"cache_dir_bytes should be a whole number of bytes (an int or a size string such as "
+                         f"'500GiB') or 'auto', but got cache_dir_bytes={cache_dir_bytes!r}")
+    return parse_size_option("cache_dir_bytes", cache_dir_bytes, allow_zero=False)
 
 
 def storage_of(source):

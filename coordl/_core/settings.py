@@ -45,6 +45,17 @@ AUTO_CACHE_SHM_KEEP_FRACTION = 0.1
 """...and, growing, leaves this share of the shm file system free (for other jobs and torch's in-flight
 batches) besides the measured in-flight batches, and never takes more than the dataset."""
 
+CACHE_DIR_ENV = "COORDL_CACHE_DIR"
+"""Environment variable naming the folder of the disk cache tier (``cache_dir=``; unset: no disk tier)."""
+
+
+def cache_dir() -> str | None:
+    return get(CACHE_DIR_ENV) or None
+
+
+AUTO_DISK_KEEP_FRACTION = 0.1
+"""``cache_dir_bytes="auto"``: the disk tier grows while its file system keeps this share of its size free."""
+
 ANALYZE_TIME_SCALE_ENV = "COORDL_ANALYZE_TIME_SCALE"
 """Environment variable that scales ``coordl analyze``'s least measuring times and rests (default 1; the tests
 lower it, which shortens each phase at some cost in the rates' precision)."""

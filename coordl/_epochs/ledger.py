@@ -146,7 +146,9 @@ class EpochLedger:
         epoch = EpochStats(epoch=len(self.epochs) + 1, group=self.group,
                            servers=peers.topology.nodes if peers is not None else 0,
                            object_store=isinstance(self.dataset, CachedDataset) and
-                           reads_concurrently(self.dataset.storage))
+                           reads_concurrently(self.dataset.storage),
+                           disk_tier=isinstance(self.dataset, CachedDataset) and
+                           callable(getattr(self.dataset.storage, "read_past_disk", None)))
         epoch.stall_s += time.perf_counter() - started
         epoch.lists = lists
         plan = batches

@@ -16,18 +16,20 @@ from coordl._cache.minio import MinIOCache
 from coordl._core.worker import exit_when_orphaned, own_row
 from coordl._fetch.concurrent_misses import read_misses, reads_concurrently
 from coordl._fetch.raw_datasets import RawBytesDataset
-from coordl._fetch.storage import Storage, stamper
+from coordl._fetch.storage import Storage, in_memory, stamper
 from coordl.exceptions import SampleError, reading_failed
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
-                  "storage_wait_ns", "peer_wait_ns", "prep_ns", "waits", "wait_ns", "ahead", "ahead_bytes", "staged")
+                  "storage_wait_ns", "peer_wait_ns", "prep_ns", "waits", "wait_ns", "ahead", "ahead_bytes", "staged",
+                  "disk_hits", "disk_bytes", "corrupt", "disk_wait_ns")
 """Per-sample counters: samples returned, cache hits, storage reads, those of them whose cached bytes were
 out of date, bytes from cache, bytes from storage, items and bytes fetched from peers' caches (partitioned);
 the time spent reading storage, waiting for peers and preparing samples (decode and transform); the hits
 that waited for another reader's read in flight, and how long (``concurrent_misses``); items and bytes the
-look-ahead read (``_fetch.lookahead``), and the items taken from its overflow (``_fetch.overflow``)."""
+look-ahead read (``_fetch.lookahead``), and the items taken from its overflow (``_fetch.overflow``); the reads
+the disk tier served, their bytes and time, and the disk items that failed their check (``_disk.tier``)."""
 (_SAMPLES, _HITS, _MISSES, _STALE, _CACHE_BYTES, _STORAGE_BYTES, _PEER_HITS, _PEER_BYTES, _STORAGE_NS, _PEER_NS,
- _PREP_NS, _WAITS, _WAIT_NS, _AHEAD, _AHEAD_BYTES, _STAGED) = range(len(COUNTER_FIELDS))
+ _PREP_NS, _WAITS, _WAIT_NS, _AHEAD, _AHEAD_BYTES, _STAGED) = range(16)
 _CONCURRENT_FIELDS = (_MISSES, _STORAGE_BYTES, _STORAGE_NS, _HITS, _CACHE_BYTES, _WAITS, _WAIT_NS, _STAGED)
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
 _OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "batch_hook",
@@ -56,8 +58,14 @@ class SampleCounters:
         return self._rows[own_row(len(self._rows))]
 
     def totals(self) -> dict[str, int]:
-        """Each counter summed over all processes."""
-        return dict(zip(COUNTER_FIELDS, (int(v) for v in self.table.sum(dim=0))))
+        """Each counter summed over all processes. A read the disk tier served was also counted as a read
+        below the memory cache (``_disk.tier`` NOTE [ Disk tier ]): ``misses``, ``storage_bytes`` and
+        ``storage_wait_ns`` count storage's alone."""
+        totals = dict(zip(COUNTER_FIELDS, (int(v) for v in self.table.sum(dim=0))))
+        totals["misses"] -= totals["disk_hits"]
+        totals["storage_bytes"] -= totals["disk_bytes"]
+        totals["storage_wait_ns"] = max(0, totals["storage_wait_ns"] - totals["disk_wait_ns"])
+        return totals
 
 
 class PreparedBatch:
@@ -166,6 +174,9 @@ class CachedDataset(torch.utils.data.Dataset):
     def _release(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        release = getattr(self.storage, "release", None)  # the disk tier's (``storage.Storage``)
+        if release is not None:
+            release()
 
     def fetch(self, index: int, row: np.ndarray) -> bytes:
         """Raw bytes of sample ``index``: from the cache, else a peer's cache, else storage (then offered to
@@ -279,7 +290,9 @@ class CachedDataset(torch.utils.data.Dataset):
         if peers is not None and peers.client.held_elsewhere(index):
             return raw  # its owner did not deliver (slow, down, stale): no second copy while the map names it
         if cache is not None and (stamp is not None or stamped is None):
-            if not cache.put(index, raw, stamp) and peers is not None and cache.full:
+            if cache.put(index, raw, stamp):
+                in_memory(self.storage, key)
+            elif peers is not None and cache.full:
                 peers.client.hand_off(index, raw, stamp)  # see partitioned NOTE [ Hand-off ]
         return raw
 

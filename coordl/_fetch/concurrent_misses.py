@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from coordl._fetch.storage import in_memory
 from coordl.exceptions import reading_failed
 
 IN_FLIGHT_TIMEOUT_S = 120.0
@@ -96,6 +97,8 @@ def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[by
             claim = claims.pop(k, None)
             if claim is not None and (stamp is None or not cache.fill(claim, raw, stamp)):
                 cache.release(claim)
+            elif claim is not None:
+                in_memory(storage, keys[k])
         row[storage_ns] += time.perf_counter_ns() - started - waited_ns
         row[wait_ns] += waited_ns
         row[misses] += len(to_read)

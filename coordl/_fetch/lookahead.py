@@ -28,6 +28,7 @@ import weakref
 from coordl._fetch.cached_dataset import COUNTER_FIELDS, CachedDataset
 from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._fetch.overflow import SKIP, overflow_for
+from coordl._fetch.storage import in_memory
 
 logger = logging.getLogger(__name__)
 _AHEAD, _AHEAD_BYTES = COUNTER_FIELDS.index("ahead"), COUNTER_FIELDS.index("ahead_bytes")
@@ -161,6 +162,10 @@ class _Walk:
         the cache is full with no overflow."""
         dataset = self.dataset
         cache, storage, key = dataset.cache, dataset.storage, dataset.source.raw_key(index)
+        holds = getattr(storage, "holds", None)
+        if holds is not None and holds(key):  # the workers read it from the disk tier
+            return False
+        read = getattr(storage, "read_past_disk", storage.read_stamped)
         size = storage.size(key)
         claim = cache.claim(index, size) if size is not None else None
         if claim is None:
@@ -168,25 +173,30 @@ class _Walk:
                 return cache.full and dataset.overflow is None
             if cache.view(index) is not None or cache.in_flight(index):
                 return False
-            return self._stage(index, size, key, pass_no)
+            writes = getattr(storage, "takes_writes", None)
+            if writes is not None and writes() and dataset.overflow.asked_before(index, pass_no):
+                return False  # read in an earlier pass: the disk tier holds it, or will once its write commits
+            return self._stage(index, size, key, read, pass_no)
         try:
-            raw, stamp = storage.read_stamped(key)
+            raw, stamp = read(key)
         except BaseException:
             cache.release(claim)
             raise
         if stamp is None or not cache.fill(claim, raw, stamp):
             cache.release(claim)
+        else:
+            in_memory(storage, key)
         self._count(raw, pass_no)
         return False
 
-    def _stage(self, index: int, size: int, key: str, pass_no: int) -> bool:
+    def _stage(self, index: int, size: int, key: str, read, pass_no: int) -> bool:
         """Read item ``index`` into an overflow slot, once one is free (False: the cache is not the limit)."""
         overflow = self.dataset.overflow
         slot = self._slot(index, size, pass_no)
         if slot is None or slot == SKIP:
             return False
         try:
-            raw, stamp = self.dataset.storage.read_stamped(key)
+            raw, stamp = read(key)
         except BaseException:
             overflow.release(slot)
             raise

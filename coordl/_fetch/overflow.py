@@ -113,6 +113,10 @@ class Overflow:
         """Give up a claimed slot unfilled (its read failed: the worker reads the item)."""
         self._arrays()[1][slot, _STATE] = EMPTY
 
+    def asked_before(self, index: int, pass_no: int) -> bool:
+        """Whether a worker asked for item ``index`` in a pass before ``pass_no``."""
+        return 0 < int(self._arrays()[2][index]) < pass_no
+
     def free_slots(self) -> int:
         return int((self._arrays()[1][:, _STATE] == EMPTY).sum())
 

@@ -17,6 +17,8 @@ class Storage(Protocol):
     stamp when it is served. Without them, cached items are served unchecked: the storage's keys
     name immutable bytes. A storage whose every key has a pinned version (an object store's manifest) says
     ``pinned = True``: there a key without a stamp has changed since, where a file without one is missing.
+    A storage that holds something for its loader (the disk tier: its files' locks) defines ``release()``,
+    which the loader's ``close`` calls.
     """
 
     def read(self, key: str) -> bytes:
@@ -28,6 +30,14 @@ def stamper(storage):
     """``storage.stamp`` for a storage that stamps its files (``read_stamped``), else None (its keys name
     immutable bytes)."""
     return storage.stamp if getattr(storage, "read_stamped", None) is not None else None
+
+
+def in_memory(storage, key: str) -> None:
+    """Tell ``storage`` the node's memory cache took the bytes of ``key`` it just read (the disk tier, which
+    then may leave them out: ``_disk.tier``); other storages need not know."""
+    note = getattr(storage, "note_in_memory", None)
+    if note is not None:
+        note(key)
 
 
 def is_current(storage, key: str, cached: Stamp) -> bool:

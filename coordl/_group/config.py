@@ -89,7 +89,7 @@ def group_settings(dataset: CachedDataset, *, batch_size: int, drop_last: bool, 
     """
     user = dataset.dataset
     if dataset.identity is None and dataset.source is not None:
-        dataset.identity = dataset_identity(dataset.source, local=isinstance(dataset.storage, FileStorage),
+        dataset.identity = dataset_identity(dataset.source, local=isinstance(getattr(dataset.storage, "inner", dataset.storage), FileStorage),
                                             content=content)
     files = f", files {dataset.identity.hex()[:16]}" if dataset.identity is not None else ""
     settings = {

@@ -213,7 +213,7 @@ def copy_sample(storage, source) -> bytes:
 
     def digest(index: int) -> bytes | None:
         try:
-            data = storage.read(source.raw_key(index))
+            data = getattr(storage, "inner", storage).read(source.raw_key(index))  # the files, not a disk tier's copy
         except OSError:
             return None
         return hashlib.blake2b(data, digest_size=16).digest()

@@ -140,3 +140,26 @@ def test_ls_shows_a_caches_part_in_a_partitioned_job():
         listed = _coordl("cache", "ls")
     assert listed.returncode == 0
     assert "cli-test partitioned [partitioned: server 2 of 4]" in listed.stdout
+
+
+def test_cache_warm_fills_the_disk_cache_a_job_then_reads_and_rm_waits_until_no_job_uses_it(tmp_path, image_root):
+    cache_dir = str(tmp_path / "disk")
+    warm = _coordl("cache", "warm", image_root, "--cache-dir", cache_dir, "--jobs", "4")
+    n = len(torchvision.datasets.ImageFolder(image_root))
+    assert warm.returncode == 0, warm.stderr
+    assert re.search(rf"read {n} of {n} items .* holds {n}/{n}", warm.stdout), warm.stdout
+    again = _coordl("cache", "warm", image_root, "--cache-dir", cache_dir)
+    assert again.returncode == 0 and f"read 0 of {n} items" in again.stdout
+    loader = coordl.DataLoader(torchvision.datasets.ImageFolder(image_root), batch_size=16, cache_bytes=0,
+                               cache_dir=cache_dir, collate_fn=list)
+    assert sum(len(batch) for batch in loader) == n
+    epoch = loader.stats().epochs[0]
+    assert (epoch.disk_hits, epoch.misses, epoch.storage_bytes) == (n, 0, 0)
+    name = re.search(r"the disk cache (\w+)", warm.stdout).group(1)
+    busy = _coordl("cache", "rm", name, "--cache-dir", cache_dir, "--force")
+    assert busy.returncode == 1 and "in use" in busy.stderr
+    loader.close()
+    assert _coordl("cache", "rm", "--stale", "--cache-dir", cache_dir).returncode == 0  # never a disk cache
+    assert os.path.isdir(os.path.join(cache_dir, name))
+    removed = _coordl("cache", "rm", name, "--cache-dir", cache_dir)
+    assert removed.returncode == 0 and f"removed {name}" in removed.stdout and not os.listdir(cache_dir)

@@ -442,3 +442,29 @@ def test_a_loader_over_a_bucket_resumes_mid_epoch_with_the_rest_of_its_batches(b
         resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
         rest = [list(resumed) for _ in range(2)]
     assert head == expected[0][:3] and rest == [expected[0][3:], expected[1]]
+
+
+@pytest.mark.slow
+def test_a_disk_tier_over_a_bucket_keeps_the_objects_for_the_next_job_which_gets_none(bucket, tmp_path, gets):
+    """A job with a memory cache of a quarter fills the disk tier; the next loader (its memory cache gone)
+    makes no GET: every object comes from the disk, then what the memory cache holds from there. The
+    look-ahead reads nothing the disk holds, nor what a worker read in an earlier epoch; what it staged for
+    the next epoch before this one ended (its overflow's slots at most) it may read again."""
+    server, url = bucket
+    first = ObjectImageFolder(url, transform=TINY)
+    quarter = sum(first.manifest.sizes) // 4
+    runs = []
+    for _ in range(2):
+        loader = coordl.DataLoader(ObjectImageFolder(url, transform=TINY), batch_size=8, shuffle=True,
+                                   num_workers=2, cache_bytes=quarter, cache_dir=str(tmp_path / "disk"))
+        epochs = [_targets(loader) for _ in range(2)]
+        runs.append((epochs, loader.stats().epochs))
+        slots = loader.dataset.overflow.slots
+        loader.close()
+    for epochs, _ in runs:
+        assert all(targets == sorted(first.targets) for targets in epochs)
+    (_, filling), (_, next_job) = runs
+    assert filling[0].gets == len(first) and filling[1].gets <= slots and filling[1].disk_hits > 0
+    assert sum(gets().values()) == len(first) + filling[1].gets  # no other GET, in either job
+    assert [e.gets for e in next_job] == [0, 0] and next_job[0].disk_hits == len(first)
+    assert next_job[1].hits > 0 and next_job[1].hits + next_job[1].disk_hits == len(first)
