@@ -60,6 +60,7 @@ CLAIMS = (
     Claim("results/analyzer-heldout", ANALYZER + ("benchmarks/heldout.py",)),
     Claim("results/objectstore", _data_path_and("objectstore", "metrics", "report")),
     Claim("results/torch-suite", (*DATA_PATH, "tools/torch_dataloader_suite.py")),
+    Claim("results/disktier", _data_path_and("disktier", "systems", "metrics", "report")),
 )
 
 
