@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from coordl import coord_prep, minio_cache
 from coordl._core import settings
+from coordl._disk.cache import USERS
 from coordl._disk.folder import DiskCacheInfo, list_disk_caches, remove_disk_cache
 from coordl._core.shm import Unreadable, segment_path, shm_dir
 from coordl._core.sizes import format_bytes, parse_size_option
@@ -83,17 +84,32 @@ def _cache_ls(args) -> int:
     return 0
 
 
+def _disk_users(folder: str) -> int | None:
+    """How many processes have the disk cache in ``folder`` open: those holding its users lock, from
+    ``/proc/locks`` (which names each lock's file by device and inode); None where it cannot be read."""
+    try:
+        st = os.stat(os.path.join(folder, USERS))
+        with open("/proc/locks") as f:
+            lines = [line.split() for line in f]
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return sum(1 for fields in lines if "FLOCK" in fields and inode in fields)
+
+
 def _disk_ls(cache_dir: str) -> None:
     """The disk caches in ``cache_dir`` (read only)."""
     caches = list_disk_caches(cache_dir)
     if not caches:
         print(f"no coordl disk caches in {cache_dir}")
         return
-    print(f"{'disk cache':<26}{'items':>16}{'complete':>10}{'on disk':>12}  {'last use':<17}{'in use':>7}  dataset")
+    print(f"{'disk cache':<26}{'items':>16}{'complete':>10}{'on disk':>12}  {'last use':<17}{'users':>6}  dataset")
     for c in caches:
         last = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.last_use))
+        users = _disk_users(os.path.join(cache_dir, c.name))
+        users = str(users) if users is not None else ("yes" if c.in_use else "0")
         print(f"{c.name:<26}{f'{c.items_cached}/{c.n_items}':>16}{c.fill_fraction:>10.0%}"
-              f"{format_bytes(c.bytes_on_disk):>12}  {last:<17}{'yes' if c.in_use else 'no':>7}  {c.label}")
+              f"{format_bytes(c.bytes_on_disk):>12}  {last:<17}{users:>6}  {c.label}")
     print(f"(disk caches in {cache_dir}; `coordl cache rm NAME --cache-dir {cache_dir}` removes one no job uses)")
 
 

@@ -20,7 +20,7 @@ from coordl._core.sizes import format_bytes, parse_size_option
 from coordl._core.sysinfo import available_memory_bytes
 from coordl._disk.cache import DiskCache, DiskCacheMismatch
 from coordl._disk.folder import folder_of
-from coordl._disk.tier import DiskTier
+from coordl._disk.tier import DiskTier, disk_tier
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
 from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._fetch.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
@@ -137,7 +137,7 @@ def open_disk_tier(storage, cache_dir: str, quota: int | None, *, scope: str, n_
     except OSError as e:
         raise OSError(e.errno, f"coordl cannot use cache_dir={cache_dir!r} for the disk tier: {e.strerror or e} "
                                f"({e.filename or folder})") from e
-    return DiskTier(storage, cache, os.path.abspath(cache_dir), quota)
+    return disk_tier(storage, cache, os.path.abspath(cache_dir), quota)
 
 
 def disk_quota(cache_dir_bytes) -> int | None:

@@ -15,6 +15,7 @@ import fcntl
 import json
 import mmap
 import os
+import threading
 import time
 
 import numpy as np
@@ -62,27 +63,43 @@ class DiskCache:
     def _ensure(self) -> None:
         if self._pid == os.getpid():
             return
-        self._pid = os.getpid()
+        with _opening:
+            if self._pid != os.getpid():
+                self._open()
+
+    def _open(self) -> None:
+        self._lock = threading.Lock()  # the index's state, between this process's threads
         self._packs: dict[int, int] = {}
         self._writers: dict[int, tuple[int, bool]] = {}
         self._records = np.zeros(0, dtype=fmt.RECORD)
         self._tail: dict[int, np.void] = {}
         self._bad: dict[int, tuple[int, int]] = {}
         self._replayed_to, self._caught_up_at = len(fmt.INDEX_MAGIC), 0.0
-        self._users = _users_lock(self.folder)
-        self._writer = _open_lock(os.path.join(self.folder, WRITER))
-        self._check_meta()
-        self._index = os.open(os.path.join(self.folder, INDEX), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if os.fstat(self._index).st_size < len(fmt.INDEX_MAGIC):
-            with self._writing():
-                if os.fstat(self._index).st_size < len(fmt.INDEX_MAGIC):
-                    os.pwrite(self._index, fmt.INDEX_MAGIC, 0)
-                    os.fdatasync(self._index)
-        elif os.pread(self._index, len(fmt.INDEX_MAGIC), 0) != fmt.INDEX_MAGIC:
-            raise DiskCacheMismatch(f"{os.path.join(self.folder, INDEX)} is not a coordl disk cache's index")
-        os.utime(os.path.join(self.folder, META))  # its mtime: the cache's last use
+        opened = []
+        try:
+            self._users = _users_lock(self.folder)
+            opened.append(self._users)
+            self._writer = _open_lock(os.path.join(self.folder, WRITER))
+            opened.append(self._writer)
+            self._check_meta()
+            self._index = os.open(os.path.join(self.folder, INDEX), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            opened.append(self._index)
+            if os.fstat(self._index).st_size < len(fmt.INDEX_MAGIC):
+                with self._writing():
+                    if os.fstat(self._index).st_size < len(fmt.INDEX_MAGIC):
+                        os.pwrite(self._index, fmt.INDEX_MAGIC, 0)
+                        os.fdatasync(self._index)
+            elif os.pread(self._index, len(fmt.INDEX_MAGIC), 0) != fmt.INDEX_MAGIC:
+                raise DiskCacheMismatch(f"{os.path.join(self.folder, INDEX)} is not a coordl disk cache's index")
+            os.utime(os.path.join(self.folder, META))  # its mtime: the cache's last use
+        except BaseException:
+            for fd in opened:  # its locks with them: a cache this process could not open is not in use by it
+                os.close(fd)
+            raise
         self._catch_up(force=True)
-        self._merge()
+        with self._lock:
+            self._merge()
+        self._pid = os.getpid()
 
     def _check_meta(self) -> None:
         path = os.path.join(self.folder, META)
@@ -118,18 +135,21 @@ class DiskCache:
         now = time.monotonic()
         if not force and now - self._caught_up_at < _CATCH_UP_S:
             return
-        self._caught_up_at = now
-        size = os.fstat(self._index).st_size
-        if size <= self._replayed_to:
-            return
-        records, end = fmt.replay(os.pread(self._index, size - self._replayed_to, self._replayed_to), 0)
-        self._replayed_to += end
-        for record in records:
-            self._tail[int(record["digest"])] = record
-        if len(self._tail) >= _TAIL_MERGE:
-            self._merge()
+        with self._lock:
+            self._caught_up_at = now
+            size = os.fstat(self._index).st_size
+            if size <= self._replayed_to:
+                return
+            records, end = fmt.replay(os.pread(self._index, size - self._replayed_to, self._replayed_to), 0)
+            self._replayed_to += end
+            for record in records:
+                self._tail[int(record["digest"])] = record
+            if len(self._tail) >= _TAIL_MERGE:
+                self._merge()
 
     def _merge(self) -> None:
+        """Under ``_lock``: the records learnt since into the sorted array (the array first, so that a lookup
+        in another thread finds a record in one or the other)."""
         if self._tail:
             self._records = fmt.latest(np.concatenate([self._records, np.array(list(self._tail.values()),
                                                                                 dtype=fmt.RECORD)]))
@@ -159,7 +179,8 @@ class DiskCache:
         """Items with a committed record (as this process has replayed them)."""
         self._ensure()
         self._catch_up(force=True)
-        return len(self._records) + sum(int(d) not in self._records["digest"] for d in self._tail)
+        with self._lock:
+            return len(self._records) + sum(int(d) not in self._records["digest"] for d in self._tail)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -180,8 +201,11 @@ class DiskCache:
     def _pack(self, pack: int) -> int:
         fd = self._packs.get(pack)
         if fd is None:
-            fd = self._packs[pack] = os.open(os.path.join(self.folder, pack_name(pack)),
-                                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            with self._lock:
+                fd = self._packs.get(pack)
+                if fd is None:
+                    fd = self._packs[pack] = os.open(os.path.join(self.folder, pack_name(pack)),
+                                                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         return fd
 
     # -- appending ----------------------------------------------------------------------------
@@ -289,6 +313,18 @@ def folder_bytes(folder: str) -> int:
         except FileNotFoundError:
             pass
     return total
+
+
+_opening = threading.Lock()
+"""Serialises a process's first use of a cache between its threads (made anew in a forked child)."""
+
+
+def _new_opening_lock() -> None:
+    global _opening
+    _opening = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_opening_lock)
 
 
 def _users_lock(folder: str) -> int:

@@ -109,7 +109,7 @@ class DiskTier:
         self._local()
         return not self._off.any()
 
-    def read_stamped(self, key: str):
+    def _read(self, key: str):
         """``key``'s bytes and stamp: the disk cache's where it holds them current and whole, else storage's
         (then queued to be written)."""
         self._local()
@@ -121,8 +121,10 @@ class DiskTier:
                 return data, (None if current is UNSTAMPED else current)
         return self.read_past_disk(key)
 
+    read_stamped = _read
+
     def read(self, key: str) -> bytes:
-        return self.read_stamped(key)[0]
+        return self._read(key)[0]
 
     def stamp(self, key: str):
         return self.inner.stamp(key)
@@ -276,3 +278,17 @@ class DiskTier:
         if first:
             logger.warning("coordl: the disk cache in %s is turned off (%s); loading goes on from storage",
                            self.cache.folder, error)
+
+
+class UnstampedDiskTier(DiskTier):
+    """The disk tier over a storage that stamps nothing (its keys name immutable bytes): as that storage, it
+    has no ``read_stamped``, so the fetch path caches what it reads as it would the storage's."""
+
+    read_stamped = None
+
+
+def disk_tier(storage, cache: DiskCache, cache_dir: str, quota: int | None) -> DiskTier:
+    """``storage`` behind the disk cache ``cache``: a :class:`DiskTier`, or, over a storage that stamps nothing,
+    an :class:`UnstampedDiskTier`."""
+    kind = DiskTier if getattr(storage, "read_stamped", None) is not None else UnstampedDiskTier
+    return kind(storage, cache, cache_dir, quota)

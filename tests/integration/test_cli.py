@@ -142,6 +142,7 @@ def test_ls_shows_a_caches_part_in_a_partitioned_job():
     assert "cli-test partitioned [partitioned: server 2 of 4]" in listed.stdout
 
 
+@pytest.mark.slow
 def test_cache_warm_fills_the_disk_cache_a_job_then_reads_and_rm_waits_until_no_job_uses_it(tmp_path, image_root):
     cache_dir = str(tmp_path / "disk")
     warm = _coordl("cache", "warm", image_root, "--cache-dir", cache_dir, "--jobs", "4")
@@ -156,6 +157,8 @@ def test_cache_warm_fills_the_disk_cache_a_job_then_reads_and_rm_waits_until_no_
     epoch = loader.stats().epochs[0]
     assert (epoch.disk_hits, epoch.misses, epoch.storage_bytes) == (n, 0, 0)
     name = re.search(r"the disk cache (\w+)", warm.stdout).group(1)
+    listed = _coordl("cache", "ls", "--cache-dir", cache_dir).stdout
+    assert re.search(rf"{name} +{n}/{n} +100% .* 1  ImageFolder of {n} files", listed), listed  # this process
     busy = _coordl("cache", "rm", name, "--cache-dir", cache_dir, "--force")
     assert busy.returncode == 1 and "in use" in busy.stderr
     loader.close()

@@ -258,3 +258,61 @@ def test_disk_counters_are_columns_of_the_sample_counters_and_taken_out_of_the_m
     row[COUNTER_FIELDS.index("disk_bytes")] += 200
     totals = counters.totals()
     assert (totals["misses"], totals["storage_bytes"], totals["disk_hits"]) == (3, 300, 2)
+
+
+def test_two_threads_learning_the_index_at_once_learn_each_group_once(tmp_path, monkeypatch):
+    """Forced: the first thread in ``_catch_up`` waits inside the replay for a second one to arrive, which the
+    cache's lock keeps out; without the lock both would replay the same tail and advance twice."""
+    import threading
+    writer, reader = _cache(tmp_path / "c"), _cache(tmp_path / "c")
+    reader.items()
+    writer.append(_items(10))
+    arrived, replay = threading.Barrier(2, timeout=0.3), fmt.replay
+
+    def waiting_replay(*args):
+        try:
+            arrived.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return replay(*args)
+    monkeypatch.setattr(fmt, "replay", waiting_replay)
+    threads = [threading.Thread(target=reader._catch_up, kwargs={"force": True}) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert reader._replayed_to == os.path.getsize(tmp_path / "c" / INDEX)
+    assert reader.items() == 10
+
+
+class _Immutable:
+    """A storage that stamps nothing: ``read`` only."""
+
+    def __init__(self, files):
+        self.reads = 0
+
+    def read(self, key):
+        self.reads += 1
+        with open(key, "rb") as f:
+            return f.read()
+
+
+def test_a_storage_that_stamps_nothing_is_cached_in_memory_and_on_disk(tmp_path):
+    import zlib
+
+    import coordl
+    files = _storage_with_files(tmp_path, n=20)
+    runs = []
+    for _ in range(2):
+        storage = _Immutable(files)
+        loader = coordl.DataLoader(coordl.FileDataset(files, decode=zlib.crc32), batch_size=5, storage=storage,
+                                   cache_bytes=10**6, cache_dir=str(tmp_path / "disk"), collate_fn=list)
+        assert getattr(loader.dataset.storage, "read_stamped", "absent") is None  # as its storage: no stamps
+        epochs = [sorted(x for batch in loader for x in batch) for _ in range(2)]
+        runs.append((epochs, loader.stats().epochs, storage.reads))
+        loader.close()
+    crcs = sorted(zlib.crc32(open(f, "rb").read()) for f in files)
+    assert all(epoch == crcs for epochs, _, _ in runs for epoch in epochs)
+    (_, first, reads_first), (_, second, reads_second) = runs
+    assert reads_first == 20 and (first[1].hits, first[1].misses) == (20, 0)  # memory took them
+    assert reads_second == 0 and (second[0].disk_hits, second[0].misses) == (20, 0)  # the disk kept them
