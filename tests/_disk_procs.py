@@ -33,7 +33,8 @@ def disk_job(root: str, cache_dir: str, epochs: int, cache_bytes: int, workers: 
                                cache_dir=cache_dir, cache_dir_bytes=quota,
                                generator=torch.Generator().manual_seed(seed), collate_fn=list)
     seen = [[(int(crc), int(index)) for batch in loader for crc, index in batch] for _ in range(epochs)]
-    counts = [{k: getattr(e, k) for k in ("misses", "storage_bytes", "hits", "disk_hits", "disk_bytes", "corrupt")}
+    counts = [{k: getattr(e, k) for k in ("misses", "storage_bytes", "hits", "cache_bytes", "disk_hits", "disk_bytes",
+                                          "corrupt")}
               for e in loader.stats().epochs]
     loader.close()
     with open(out + ".tmp", "w") as f:

@@ -96,9 +96,9 @@ class DiskCache:
             for fd in opened:  # its locks with them: a cache this process could not open is not in use by it
                 os.close(fd)
             raise
-        self._catch_up(force=True)
-        with self._lock:
-            self._merge()
+        size = os.fstat(self._index).st_size  # the whole index at once into the sorted array (no per-record work)
+        records, end = fmt.replay(os.pread(self._index, size - self._replayed_to, self._replayed_to), 0)
+        self._records, self._replayed_to = fmt.latest(records), self._replayed_to + end
         self._pid = os.getpid()
 
     def _check_meta(self) -> None:
@@ -181,6 +181,20 @@ class DiskCache:
         self._catch_up(force=True)
         with self._lock:
             return len(self._records) + sum(int(d) not in self._records["digest"] for d in self._tail)
+
+    def held(self) -> tuple[int, int]:
+        """(items, bytes of their data) with a record, as this process has replayed them."""
+        self._ensure()
+        with self._lock:
+            records, tail = self._records, list(self._tail.values())
+            items, nbytes = len(records), int(records["data_len"].sum())
+            if tail:  # learnt since: new keys, or new versions of keys the array holds (whose bytes they replace)
+                learnt = np.array(tail, dtype=fmt.RECORD)
+                at = np.minimum(np.searchsorted(records["digest"], learnt["digest"]), max(len(records) - 1, 0))
+                known = records["digest"][at] == learnt["digest"] if len(records) else np.zeros(len(tail), bool)
+                items += int((~known).sum())
+                nbytes += int(learnt["data_len"].sum()) - int(records["data_len"][at[known]].sum())
+            return items, nbytes
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -11,8 +11,9 @@ storage, never served. Every other read goes to storage, and its bytes (with the
 queued for this process's writer thread, which appends them in groups (``_disk.cache``); so the disk cache
 holds what the memory cache holds too, and the next job, whose memory cache starts empty, reads storage
 for nothing the disk holds. Where the quota cannot hold the whole dataset (its size estimated from the
-items read so far), the items the memory cache took are not written: the disk takes what memory does not,
-and a later epoch reads (1 - memory's share - disk's share) of the dataset from storage. Within a dataset
+items read so far), the items the memory cache took are not written, and the memory cache does not take
+what the disk served (``worth_memory``): each holds what the other does not, and a later epoch reads
+(1 - memory's share - disk's share) of the dataset from storage. Within a dataset
 nothing is evicted (MinIO's policy: fill once); an item
 already held with its stamp is not written again. Pages read or written are dropped from the page cache:
 memory is the shm tier's. Between datasets, the least recently used one no live process has open is
@@ -25,6 +26,7 @@ hits out of ``misses`` and ``storage_bytes`` (``SampleCounters.totals``). The lo
 reads past the tier (:meth:`DiskTier.read_past_disk`) and leaves what the disk holds to the workers.
 """
 
+import collections
 import logging
 import multiprocessing.util
 import os
@@ -47,6 +49,10 @@ COMMIT_S = 0.2
 """The writer commits a group once it has this many bytes, or once its first item has waited this long."""
 FLUSH_S = 4.0
 """How long a process's exit waits for its queued writes (torch stops a worker that takes 5 s)."""
+SERVED_KEPT = 4096
+"""Disk hits a process remembers until the memory cache asks about them (``worth_memory``)."""
+SHORT_S = 1.0
+"""How long the writer's and the read path's word on whether the quota is short holds."""
 SETTLE_S = 0.02
 """Where the quota is short, how long the writer waits for the memory cache to say it took an item."""
 UNSTAMPED = (0, 0, 0)
@@ -84,6 +90,8 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue()
         self._queued, self._read_items, self._read_bytes = 0, 0, 0
         self._in_memory: dict[str, bool] = {}  # the queued keys: whether the memory cache took each
+        self._served: collections.OrderedDict[str, None] = collections.OrderedDict()  # the latest disk hits' keys
+        self._short_until, self._was_short = 0.0, False
         self._writer = None
         self._off = self.off.numpy()
 
@@ -129,6 +137,14 @@ class DiskTier:
     def stamp(self, key: str):
         return self.inner.stamp(key)
 
+    def worth_memory(self, key: str) -> bool:
+        """Whether the memory cache should take ``key``'s bytes just read: not where they came from the disk
+        cache and it cannot hold the whole dataset (memory then holds what the disk does not)."""
+        self._local()
+        with self._lock:
+            served = self._served.pop(key, False) is None
+        return not served or not self._short()
+
     def _from_disk(self, key: str, current):
         started = time.perf_counter_ns()
         try:
@@ -139,6 +155,11 @@ class DiskTier:
         except OSError as e:
             self._turn_off(e)
             return None
+        if data is not CORRUPT:
+            with self._lock:
+                self._served[key] = None
+                if len(self._served) > SERVED_KEPT:
+                    self._served.popitem(last=False)
         if self.counted_in is None:
             return None if data is CORRUPT else bytes(data)
         hits, nbytes, corrupt, wait = _COLUMNS
@@ -239,12 +260,21 @@ class DiskTier:
                 self._in_memory[key] = True
 
     def _short(self) -> bool:
-        """Whether the quota cannot hold the whole dataset, as estimated from the items this process read."""
-        if not self._read_items:
+        """Whether the quota cannot hold the whole dataset, its size estimated from the items the disk holds and
+        those this process read from storage; looked at once a second at most."""
+        now = time.monotonic()
+        if now < self._short_until:
+            return self._was_short
+        self._short_until = now + SHORT_S
+        held, held_bytes = self.cache.held()
+        items, nbytes = self._read_items + held, self._read_bytes + held_bytes
+        if not items:
+            self._was_short = False
             return False
-        estimate = self._read_bytes * self.cache.n_items // self._read_items
+        estimate = nbytes * self.cache.n_items // items
         have = self.cache.pack_bytes()
-        return have + room_for(self.cache_dir, self.cache.folder, estimate, self.quota, evict=False) < estimate
+        self._was_short = have + room_for(self.cache_dir, self.cache.folder, estimate, self.quota, evict=False) < estimate
+        return self._was_short
 
     def _write(self, batch: list) -> None:
         asked = []

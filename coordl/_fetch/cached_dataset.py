@@ -16,7 +16,7 @@ from coordl._cache.minio import MinIOCache
 from coordl._core.worker import exit_when_orphaned, own_row
 from coordl._fetch.concurrent_misses import read_misses, reads_concurrently
 from coordl._fetch.raw_datasets import RawBytesDataset
-from coordl._fetch.storage import Storage, in_memory, stamper
+from coordl._fetch.storage import Storage, in_memory, stamper, worth_memory
 from coordl.exceptions import SampleError, reading_failed
 
 COUNTER_FIELDS = ("samples", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "peer_hits", "peer_bytes",
@@ -289,7 +289,7 @@ class CachedDataset(torch.utils.data.Dataset):
         peers = self.peers
         if peers is not None and peers.client.held_elsewhere(index):
             return raw  # its owner did not deliver (slow, down, stale): no second copy while the map names it
-        if cache is not None and (stamp is not None or stamped is None):
+        if cache is not None and (stamp is not None or stamped is None) and worth_memory(self.storage, key):
             if cache.put(index, raw, stamp):
                 in_memory(self.storage, key)
             elif peers is not None and cache.full:

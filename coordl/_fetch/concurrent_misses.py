@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from coordl._fetch.storage import in_memory
+from coordl._fetch.storage import in_memory, worth_memory
 from coordl.exceptions import reading_failed
 
 IN_FLIGHT_TIMEOUT_S = 120.0
@@ -95,7 +95,8 @@ def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[by
         for k, (raw, stamp) in zip(to_read, results):
             out[k] = raw
             claim = claims.pop(k, None)
-            if claim is not None and (stamp is None or not cache.fill(claim, raw, stamp)):
+            if claim is not None and (stamp is None or not worth_memory(storage, keys[k])
+                                      or not cache.fill(claim, raw, stamp)):
                 cache.release(claim)
             elif claim is not None:
                 in_memory(storage, keys[k])

@@ -40,6 +40,13 @@ def in_memory(storage, key: str) -> None:
         note(key)
 
 
+def worth_memory(storage, key: str) -> bool:
+    """Whether the node's memory cache should take the bytes of ``key`` just read from ``storage``: always,
+    but from a disk tier that holds them where it cannot hold the whole dataset (``_disk.tier``)."""
+    worth = getattr(storage, "worth_memory", None)
+    return worth is None or worth(key)
+
+
 def is_current(storage, key: str, cached: Stamp) -> bool:
     """Whether bytes cached with stamp ``cached`` may be served for ``key``: always from a storage that does
     not stamp its files, else only while ``key``'s stamp is still that one."""

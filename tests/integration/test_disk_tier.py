@@ -186,6 +186,13 @@ def test_a_quota_of_half_the_dataset_gives_the_same_disk_hits_every_later_epoch(
     assert later[0]["disk_hits"] == later[1]["disk_hits"] == info.items_cached  # filled once, never evicted
     for epoch in later:
         assert epoch["disk_bytes"] + epoch["storage_bytes"] == size
+    # the next job's memory cache (a quarter) takes what the disk does not hold: the tiers add up
+    second = _run(tmp_path, "next", root, cache_dir, 3, size // 4, 2, 1, quota=size // 2)
+    _each_epoch_sees_every_sample_once_with_its_bytes(second, _crcs(files))
+    assert second["epochs"][0]["disk_hits"] == info.items_cached and second["epochs"][0]["hits"] == 0, second["epochs"]
+    for epoch in second["epochs"][1:]:
+        assert epoch["disk_hits"] == info.items_cached and epoch["hits"] > 0
+        assert epoch["storage_bytes"] == size - epoch["disk_bytes"] - epoch["cache_bytes"]
 
 
 @pytest.mark.slow

@@ -316,3 +316,15 @@ def test_a_storage_that_stamps_nothing_is_cached_in_memory_and_on_disk(tmp_path)
     (_, first, reads_first), (_, second, reads_second) = runs
     assert reads_first == 20 and (first[1].hits, first[1].misses) == (20, 0)  # memory took them
     assert reads_second == 0 and (second[0].disk_hits, second[0].misses) == (20, 0)  # the disk kept them
+
+
+def test_what_a_cache_holds_counts_a_key_written_again_once(tmp_path):
+    cache = _cache(tmp_path / "c")
+    items = _items(5)
+    cache.append(items)
+    fresh = _cache(tmp_path / "c")
+    fresh.items()
+    cache.append([(items[0][0], b"x" * 7, (9, 9, 7))])  # a new version of one, learnt into the dict
+    fresh._caught_up_at = 0.0
+    fresh.record("/data/absent")
+    assert fresh.held() == (5, sum(len(d) for _, d, _ in items[1:]) + 7)
