@@ -212,16 +212,8 @@ def main(argv=None) -> int:
         summary = summarize(runs, dataset, args.quotas)
         result = {"dataset_bytes": dataset, "files": len(sizes), "shm_share": SHM_SHARE, "runs": runs,
                   "summary": summary, "index": index}
-        setup = {"machine": report.machine(), "provenance": report.provenance(), "storage_detail": storage.detail,
-                 "config": {**vars(args), "mode": "quick" if args.quick else "full"}}
-        os.makedirs(args.out, exist_ok=True)
-        for name, value in (("results.json", result), ("setup.json", setup)):
-            with open(os.path.join(args.out, name), "w") as f:
-                json.dump(value, f, indent=1)
-        text = markdown(summary, index)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(text + "\n")
-        print("\n" + text)
+        report.write_run(args.out, result, report.setup_of(args, storage_detail=storage.detail),
+                         markdown(summary, index))
     return 0
 
 

@@ -61,6 +61,7 @@ CLAIMS = (
     Claim("results/objectstore", _data_path_and("objectstore", "metrics", "report")),
     Claim("results/torch-suite", (*DATA_PATH, "tools/torch_dataloader_suite.py")),
     Claim("results/disktier", _data_path_and("disktier", "systems", "metrics", "report")),
+    Claim("results/rehearsal", _data_path_and("rehearsal", "metrics", "report")),
 )
 
 

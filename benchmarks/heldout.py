@@ -12,7 +12,6 @@ analysis's trust), ``median_abs_error``, ``max_abs_error``; ``setup.json``; ``re
 """
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -120,14 +119,7 @@ def main(argv=None) -> int:
                   "over_budget": [why for c in configs for why in c["over_budget"]]}
         setup = {"machine": report.machine(), "provenance": report.provenance(), "settings": vars(args),
                  "datasets": datasets}
-        os.makedirs(args.out, exist_ok=True)
-        for name, content in (("results.json", result), ("setup.json", setup)):
-            with open(os.path.join(args.out, name), "w") as f:
-                json.dump(content, f, indent=2)
-        text = markdown(result, setup)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(text)
-        print(text)
+        report.write_run(args.out, result, setup, markdown(result, setup))
     return 0
 
 

@@ -47,6 +47,25 @@ def provenance() -> dict:
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "sources": source_digests()}
 
 
+def setup_of(args, **more) -> dict:
+    """A run's ``setup.json``: the machine, the provenance, the settings (``args``, and whether ``--quick``) and
+    ``more``."""
+    return {"machine": machine(), "provenance": provenance(),
+            "config": {**vars(args), "mode": "quick" if getattr(args, "quick", False) else "full"}, **more}
+
+
+def write_run(out: str, result: dict, setup: dict, text: str) -> None:
+    """Write a run into folder ``out``: ``results.json`` (``result``), ``setup.json`` (``setup``: machine,
+    provenance, settings) and ``results.md`` (``text``, also printed)."""
+    os.makedirs(out, exist_ok=True)
+    for name, content in (("results.json", result), ("setup.json", setup)):
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(content, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text + "\n")
+    print("\n" + text)
+
+
 def spread_text(s: dict, fmt=".2f", scale=1.0) -> str:
     """``median [min–max]`` of a :func:`~benchmarks.metrics.spread` (just the value for one run)."""
     if s["n"] == 1:

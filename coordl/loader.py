@@ -33,6 +33,8 @@ from coordl._fetch.lookahead import lookahead_of
 from coordl._fetch.raw_datasets import raw_source
 from coordl._group.config import check_group_compatible, check_group_options
 from coordl._peer.locality import LocalityPlan, locality_plan
+from coordl._rehearsal.batches import RehearsalBatches
+from coordl._rehearsal.setup import check_room, stream_batches, stream_of, stream_sampler
 from coordl.stats import LoaderStats
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             all-reduced gradient of each step is unchanged; what changes is which rank computes which
             sample, so per-rank batch contents (and per-rank BatchNorm statistics) differ from torch's.
             Defaults to False.
+        rehearsal: over a :class:`coordl.ExperienceStream`, a :class:`coordl.Rehearsal`: each batch of
+            ``batch_size`` samples of the current experience gets its replayed exemplars of earlier ones
+            (see :mod:`coordl.rehearsal`). Defaults to None: a loader over a stream draws its current
+            experience alone.
 
     ``state_dict()``/``load_state_dict()`` checkpoint the loader mid-epoch, as torchdata's
     ``StatefulDataLoader`` does (see README "Checkpointing mid-epoch" for what is and isn't restored).
@@ -169,7 +175,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  backend="torch",
                  dali_pipeline="image_classification", dali_device="cpu", dali_train=None, hp_group=None,
                  hp_group_size=None, hp_staging_bytes="auto", hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S,
-                 hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto", locality_aware=False):
+                 hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto", locality_aware=False,
+                 rehearsal=None):
         configure_from_env()
         if isinstance(batch_sampler, EpochBatchSampler) and sampler is None and \
                 (batch_sampler.batches is None or isinstance(batch_sampler.batches, LocalityPlan)):
@@ -177,6 +184,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # DistributedSampler): what it stands for is a sampler and a batch size, as the user gave them.
             sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
             batch_sampler, shuffle = None, None
+        if isinstance(batch_sampler, EpochBatchSampler) and sampler is None and \
+                isinstance(batch_sampler.batches, RehearsalBatches):  # a stream's, re-created from its parts
+            batches = batch_sampler.batches
+            sampler, batch_size, drop_last = batches.sampler, batches.batch_size, batches.drop_last
+            batch_sampler, shuffle, rehearsal = None, None, rehearsal if rehearsal is not None else batches.rehearsal
+        stream = stream_of(dataset)
+        if stream is not None:
+            sampler = stream_sampler(stream, rehearsal=rehearsal, sampler=sampler, batch_sampler=batch_sampler,
+                                     batch_size=batch_size, shuffle=shuffle, generator=generator)
+            shuffle = None
+        elif rehearsal is not None:
+            raise ValueError(f"rehearsal= needs a coordl.ExperienceStream as the dataset, but got "
+                             f"{type(dataset).__name__}: wrap the experiences, ExperienceStream([task0, task1, ...])")
         capacity = parse_size_option("cache_bytes", cache_bytes, allow_zero=True)
         quota = disk_quota(cache_dir_bytes)
         disk_folder = cache_dir if cache_dir is not None else settings.cache_dir()
@@ -211,6 +231,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
         self.hp_group_timeout_s, self.hp_group_on_mismatch = hp_group_timeout_s, hp_group_on_mismatch
         self.hp_group_key, self.partitioned, self.locality_aware = hp_group_key, partitioned, locality_aware
+        self.rehearsal = rehearsal
         wrapped = wrap_dataset(dataset, capacity=capacity, cache_name=cache_name,
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
                                decode=not use_dali, storage=storage,
@@ -244,13 +265,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _release(wrapped)
             raise
         plan = None
-        if locality_aware:
-            try:
+        try:
+            if locality_aware:
                 plan = locality_plan(self.sampler, self.batch_size, self.drop_last, getattr(wrapped, "peers", None),
                                      batch_sampler is not None)
-            except BaseException:
-                _release(wrapped)
-                raise
+            if stream is not None:
+                check_room(rehearsal, stream, wrapped)
+                plan = stream_batches(self.batch_sampler, rehearsal)
+        except BaseException:
+            _release(wrapped)
+            raise
         feed = self._feed(dali, staging_bytes, prep_options) if fed else None
         group = hp_group if getattr(feed, "group", None) is not None else None
         self._cache_stats = _CacheFill(wrapped)  # not a bound method: the ledger must not keep this loader alive
@@ -285,8 +309,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def _install(self, ledger: EpochLedger, locality=None) -> None:
         """Hand torch coordl's batch sampler (or sampler, unbatched) and, with a feed, collate function;
-        ``locality``: the locality-aware batches to draw instead of torch's (``locality.LocalityPlan``)."""
+        ``locality``: the batches to draw instead of torch's (``locality.LocalityPlan``, or an experience
+        stream's ``RehearsalBatches``)."""
         self.epoch_ledger = ledger
+        ledger.rehearsal = locality if isinstance(locality, RehearsalBatches) else None
         if ledger.feed is not None:
             self.dataset.feed = ledger
             object.__setattr__(self, "collate_fn", PreparedCollate(self.collate_fn))

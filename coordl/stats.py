@@ -25,6 +25,10 @@ class EpochStats:
     torch DataLoader built from the loader's parts (Accelerate's, for one) ran the epoch, as only coordl's
     own iterator sees the loop's waits.
 
+    Over an experience stream (``experience``: the one the epoch drew), ``replayed`` counts the samples of its
+    batches that replayed exemplars, and ``buffer_items`` and ``buffer_bytes`` the rehearsal buffer's members
+    at its end and the bytes of those the node's cache holds.
+
     From an object store (``object_store``), ``misses`` are the GETs of torch's workers (a batch's at once)
     and ``ahead`` (``ahead_bytes``) those of the look-ahead, which reads the plan's objects into the cache
     before they are asked for, or, what the cache has no room for, into a staging area that torch's workers
@@ -75,6 +79,10 @@ class EpochStats:
     disk_wait_s: float = 0.0
     corrupt: int = 0
     disk_tier: bool = False
+    experience: int | None = None
+    replayed: int = 0
+    buffer_items: int = 0
+    buffer_bytes: int = 0
 
     @property
     def gets(self) -> int:
@@ -126,6 +134,9 @@ class EpochStats:
         if self.disk_tier:
             line += (f" disk_hits={self.disk_hits} disk_bytes={self.disk_bytes} corrupt={self.corrupt} "
                      f"disk_wait_s={self.disk_wait_s:.3f}")
+        if self.experience is not None:
+            line += (f" experience={self.experience} replayed={self.replayed} buffer_items={self.buffer_items} "
+                     f"buffer_bytes={self.buffer_bytes}")
         if self.servers:
             line += (f" servers={self.servers} peer_hits={self.peer_hits} peer_bytes={self.peer_bytes} moved={self.moved} "
                      f"peer_wait_s={self.peer_wait_s:.3f}")
@@ -147,6 +158,10 @@ class LoaderStats:
     peers: list[dict] | None = None
     """Partitioned caching: per other server, its address, whether it is down, and the items, bytes,
     requests and mean wait per request this rank fetched from it."""
+    rehearsal: dict | None = None
+    """Over an experience stream with ``rehearsal=``: the buffer's members (``items``; every rank's, under DDP),
+    the bytes of those the node's cache holds (``bytes``), how many it does not (``uncached``), and members per
+    class (``classes``, None without labels), per experience (``experiences``) and per rank (``ranks``)."""
 
     def __str__(self) -> str:
         """A small table, a row per epoch and one for the total, then the cache's fill (``repr`` stays the
@@ -161,6 +176,8 @@ class LoaderStats:
             columns.insert(5, ("disk hits", lambda e: str(e.disk_hits)))
         if self.total.servers:
             columns.insert(5, ("peer hits", lambda e: str(e.peer_hits)))
+        if self.total.experience is not None:
+            columns[1:1] = [("experience", lambda e: str(e.experience)), ("replayed", lambda e: str(e.replayed))]
         if self.total.group is not None:
             columns.insert(5, ("shared", lambda e: str(e.shared)))
         rows = [[name for name, _ in columns]] + [[cell(e) for _, cell in columns] for e in [*self.epochs, self.total]]
@@ -182,7 +199,7 @@ class LoaderStats:
                                                  "fill_fraction": self.cache.fill_fraction}
         group = None if self.group is None else dataclasses.asdict(self.group)
         return {"epochs": [epoch_dict(e) for e in self.epochs], "total": epoch_dict(self.total), "cache": cache,
-                "group": group, "peers": self.peers}
+                "group": group, "peers": self.peers, "rehearsal": self.rehearsal}
 
 
 def _seconds(value: float | None, spec: str) -> str:
@@ -194,8 +211,11 @@ def add_epoch(total: EpochStats, epoch: EpochStats) -> None:
     for field in ("samples", "batches", "hits", "misses", "stale", "cache_bytes", "storage_bytes", "time_s",
                   "decoded", "prepared", "shared", "staging_wait_s", "peer_hits", "peer_bytes", "moved", "storage_wait_s",
                   "peer_wait_s", "prep_s", "waits", "wait_s", "ahead", "ahead_bytes", "staged", "lists",
-                  "disk_hits", "disk_bytes", "disk_wait_s", "corrupt"):
+                  "disk_hits", "disk_bytes", "disk_wait_s", "corrupt", "replayed"):
         setattr(total, field, getattr(total, field) + getattr(epoch, field))
+    if epoch.experience is not None:  # the buffer as the latest epoch left it
+        total.experience, total.buffer_items = epoch.experience, epoch.buffer_items
+        total.buffer_bytes = epoch.buffer_bytes
     total.object_store = total.object_store or epoch.object_store
     total.disk_tier = total.disk_tier or epoch.disk_tier
     total.stall_s = None if total.stall_s is None or epoch.stall_s is None else total.stall_s + epoch.stall_s

@@ -138,6 +138,7 @@ class _PassCheckpoints:
         if saved is None:
             self.rng_sources().restore(state["rng"], what=what)
             return
+        self.rng_sources().set_plans(saved["rng"])  # the experience the pass drew from decides its length
         batches = self._length()
         if saved["batches"] is not None and batches is not None and saved["batches"] != batches:
             raise ValueError(f"{what}.load_state_dict: the state was saved in an epoch of {saved['batches']} batches; "

@@ -23,6 +23,7 @@ import weakref
 
 from coordl._fetch.cached_dataset import CachedDataset, CountingCollate
 from coordl._fetch.concurrent_misses import reads_concurrently
+from coordl._rehearsal.stream import Replayed
 from coordl.stats import EpochStats, LoaderStats, add_epoch
 
 summary_logger = logging.getLogger("coordl")
@@ -42,6 +43,7 @@ class _Running:
         self.yielded, self.handed, self.exhausted = 0, 0, False
         self.timed = False  # coordl's own iterator times the training loop's waits, and counts batches delivered
         self.delivered = 0
+        self.replayed = 0  # samples of the batches handed that replay exemplars (an experience stream's)
 
     @property
     def owner(self):
@@ -74,6 +76,9 @@ class EpochLedger:
         cache_stats: a function returning the cache's fill (or None).
         lookahead: reads each pass's items into the cache ahead of the loop (``_fetch.lookahead``), or None.
 
+    ``rehearsal``: an experience stream's batches (``_rehearsal.batches.RehearsalBatches``), set by the loader,
+    or None.
+
     ``observed``: what an observer of the data path keeps with this ledger (``_core.hooks``); it travels
     with the ledger to other processes.
     """
@@ -87,7 +92,8 @@ class EpochLedger:
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled (``ddp_spawn``'s processes): a loader re-created there over the same dataset follows it."""
-        self.__dict__.update({"collate": None, "lookahead": None, "_followers": [], **state})  # a ledger pickled before they were
+        # a ledger pickled before these were its attributes
+        self.__dict__.update({"collate": None, "lookahead": None, "_followers": [], "rehearsal": None, **state})
         self.follow_earlier_over(self._users_dataset())
 
     def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None,
@@ -99,6 +105,7 @@ class EpochLedger:
         self.current: _Running | None = None
         self._group_stats = None
         self._followers: list[tuple[weakref.ref, list[EpochStats]]] = []
+        self.rehearsal = None
 
     def follow_earlier_over(self, dataset) -> None:
         """Follow the ledgers of the living loaders built earlier over ``dataset`` (the user's). A framework
@@ -195,6 +202,8 @@ class EpochLedger:
         if self.current is not None and self.current.owner is owner:
             self.current.handed += 1
             self.current.yielded += len(batch) if isinstance(batch, list) else 1
+            if self.rehearsal is not None and isinstance(batch, list):
+                self.current.replayed += sum(1 for index in batch if isinstance(index, Replayed))
 
     def exhausted(self, owner) -> None:
         """The pass's plan ran out. End the epoch once every sample handed out was fetched (with workers,
@@ -251,6 +260,10 @@ class EpochLedger:
             epoch.samples = running.yielded
         epoch.decoded = epoch.samples
         epoch.moved = getattr(getattr(running.owner, "sampler", None), "moved", 0)  # locality-aware batches
+        if self.rehearsal is not None:
+            held = self.buffer_stats()
+            epoch.experience, epoch.replayed = self.rehearsal.experience, running.replayed
+            epoch.buffer_items, epoch.buffer_bytes = held["items"], held["bytes"]
         group = running.group
         if group is not None:
             epoch.members, epoch.samples = group.members, group.delivered_samples
@@ -273,4 +286,31 @@ class EpochLedger:
         peers = live._peers()
         total.servers = peers.topology.nodes if peers is not None else 0
         return LoaderStats(epochs=epochs, total=total, cache=live._cache_stats(), group=live._group_stats,
-                           peers=peers.peer_stats() if peers is not None else None)
+                           peers=peers.peer_stats() if peers is not None else None,
+                           rehearsal=live.buffer_stats() if live.rehearsal is not None else None)
+
+    def buffer_stats(self) -> dict:
+        """The rehearsal buffer now: its members (``items``; every rank's, under DDP), the bytes of those the node's
+        cache holds (``bytes``) and how many it does not (``uncached``), members per class (``classes``, None without
+        labels), per experience (``experiences``) and per rank's buffer (``ranks``)."""
+        batches = self.rehearsal
+        members, stream = batches.members(), batches.sampler.stream
+        cache = self.dataset.cache if isinstance(self.dataset, CachedDataset) else None
+        held = [item for item in cache.views(members) if item is not None] if cache is not None and members else []
+        experiences: dict[int, int] = {}
+        for index in members:
+            number = stream.locate(index)[0]
+            experiences[number] = experiences.get(number, 0) + 1
+        try:
+            classes: dict | None = {}
+            for index in members:
+                label = stream.target(index)
+                classes[label] = classes.get(label, 0) + 1
+            classes = dict(sorted(classes.items()))
+        except AttributeError:
+            classes = None
+        except TypeError:  # labels that do not sort
+            pass
+        return {"items": len(members), "bytes": sum(len(view) for view, _ in held),
+                "uncached": len(members) - len(held), "classes": classes, "experiences": dict(sorted(experiences.items())),
+                "ranks": [len(buffer) for buffer in batches.rehearsal.buffers]}

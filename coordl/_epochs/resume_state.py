@@ -6,8 +6,9 @@ A pass's batches are its sampler's draws, so a checkpoint holds what those draws
 batches: at the pass's first ``next()``, just before its plan is drawn, the state of every
 ``torch.Generator`` the plan can draw from (the loader's ``generator`` and the samplers') and of the
 global torch RNG (what samplers without a generator use, torch's ``RandomSampler`` included), a
-``DistributedSampler``'s epoch, and how many batches the training loop has consumed. A resumed pass
-sets those generators to the saved states, draws the whole plan again with the global RNG set to the
+``DistributedSampler``'s epoch, what else the plan depends on (an experience stream's current experience
+and rehearsal buffer, ``_rehearsal.batches``), and how many batches the training loop has consumed. A
+resumed pass sets those generators to the saved states, draws the whole plan again with the global RNG set to the
 saved state inside ``torch.random.fork_rng`` (so the global RNG is left as the user has it), skips the
 consumed batches and hands torch the rest. The generators end where the interrupted run's were after
 that epoch, so later epochs (their orders and torch's base seeds for the workers) are the
@@ -53,6 +54,12 @@ def _epoch_holders(*parts) -> list:
     return [part for part in parts if callable(getattr(part, "set_epoch", None)) and hasattr(part, "epoch")]
 
 
+def _planners(*parts) -> list:
+    """The parts whose plan depends on state of their own beside generators (``plan_state``/``set_plan_state``:
+    the rehearsal batches' buffer and current experience, ``_rehearsal.batches``)."""
+    return [part for part in parts if callable(getattr(part, "plan_state", None))]
+
+
 class RngSources:
     """What a batch sampler's plan draws from: ``parts`` are the loader's generator and the samplers."""
 
@@ -61,7 +68,8 @@ class RngSources:
 
     def capture(self, *, with_global: bool) -> dict:
         state = {"generators": [g.get_state() for g in _generators(*self.parts)],
-                 "epochs": [int(s.epoch) for s in _epoch_holders(*self.parts)]}
+                 "epochs": [int(s.epoch) for s in _epoch_holders(*self.parts)],
+                 "plans": [part.plan_state() for part in _planners(*self.parts)]}
         if with_global:
             state["global"] = torch.get_rng_state()
         return state
@@ -73,6 +81,11 @@ class RngSources:
             raise ValueError(f"{what}: the state was saved with {len(state['generators'])} generator(s) and "
                              f"{len(state['epochs'])} epoch-seeded sampler(s); this loader has {len(generators)} "
                              f"and {len(holders)}. Resume with the loader's sampler, shuffle and generator settings.")
+        planners = _planners(*self.parts)
+        if len(planners) != len(state.get("plans", [])):
+            raise ValueError(f"{what}: the state was saved {'with' if state.get('plans') else 'without'} an experience "
+                             f"stream's batches; this loader has {'them' if planners else 'none'}. Resume with the "
+                             f"same dataset and rehearsal= settings.")
 
     def restore(self, state: dict, *, what: str) -> None:
         """Set the generators and epochs to ``state``."""
@@ -80,6 +93,12 @@ class RngSources:
         for generator, saved in zip(_generators(*self.parts), state["generators"]):
             generator.set_state(saved)
         self.set_epochs(state["epochs"])
+        self.set_plans(state)
+
+    def set_plans(self, state: dict) -> None:
+        """Put the plans' own state (a stream's current experience, its buffer) back as ``state`` has it."""
+        for part, saved in zip(_planners(*self.parts), state.get("plans", [])):
+            part.set_plan_state(saved)
 
     def set_epochs(self, epochs: list[int]) -> None:
         """``set_epoch`` each epoch-seeded sampler to its entry of ``epochs``."""

@@ -5,7 +5,8 @@ file holding sample ``i`` as stored, ``decode_raw(i, raw)`` turns those bytes in
 ``dataset[i]`` returns (decode, then the dataset's own random transforms, drawn afresh per call).
 coordl then reads and caches the raw bytes and never the decoded or augmented sample.
 torchvision ``DatasetFolder``/``ImageFolder`` are recognised as they are, and so are torch's
-``Subset`` (what ``random_split`` returns) and ``ConcatDataset`` of datasets coordl can cache.
+``Subset`` (what ``random_split`` returns) and ``ConcatDataset`` of datasets coordl can cache; a dataset over others says how with
+``coordl_raw_source(decode)`` (an experience stream's).
 """
 
 import bisect
@@ -210,16 +211,22 @@ def _subset_source(dataset, decode: bool) -> tuple[RawBytesDataset | None, str]:
     return SubsetSource(dataset, [inner]), ""
 
 
+def part_sources(datasets, decode: bool, part: str = "part") -> tuple[list | None, str]:
+    """The raw-bytes views of ``datasets`` (a dataset's parts: its ``part``\ s), or (None, why one cannot be cached)."""
+    parts = []
+    for number, dataset in enumerate(datasets):
+        source, why = raw_source(dataset, decode)
+        if source is None:
+            return None, f"its {part} {number} ({type(dataset).__name__}) cannot be cached: {why}"
+        parts.append(source)
+    return parts, ""
+
+
 def _concat_source(dataset, decode: bool) -> tuple[RawBytesDataset | None, str]:
     if decode and (overridden := _overridden(dataset, torch.utils.data.ConcatDataset, ("__getitem__",))):
         return None, f"{type(dataset).__name__} overrides {overridden}"
-    parts = []
-    for number, part in enumerate(dataset.datasets):
-        source, why = raw_source(part, decode)
-        if source is None:
-            return None, f"its part {number} ({type(part).__name__}) cannot be cached: {why}"
-        parts.append(source)
-    return ConcatSource(dataset, parts), ""
+    parts, why = part_sources(dataset.datasets, decode)
+    return (ConcatSource(dataset, parts), "") if parts is not None else (None, why)
 
 
 def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, str]:
@@ -232,6 +239,9 @@ def raw_source(dataset, decode: bool = True) -> tuple[RawBytesDataset | None, st
     """
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return None, "it is an IterableDataset (samples have no index to cache by)"
+    view = getattr(type(dataset), "coordl_raw_source", None)  # a dataset over other datasets (a stream's)
+    if view is not None:
+        return view(dataset, decode)
     if isinstance(dataset, RawBytesDataset):
         return dataset, ""
     if isinstance(dataset, torch.utils.data.Subset):

@@ -18,7 +18,8 @@ def test_coordl_options_are_keyword_only():
     assert extra == ["cache_bytes", "cache_name", "cache_verify", "drop_page_cache", "storage", "cache_dir",
                      "cache_dir_bytes", "progress", "backend",
                      "dali_pipeline", "dali_device", "dali_train", "hp_group", "hp_group_size", "hp_staging_bytes",
-                     "hp_group_timeout_s", "hp_group_on_mismatch", "hp_group_key", "partitioned", "locality_aware"]
+                     "hp_group_timeout_s", "hp_group_on_mismatch", "hp_group_key", "partitioned", "locality_aware",
+                     "rehearsal"]
     assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
     assert params["cache_bytes"].default == "auto" and params["backend"].default == "torch"
     assert params["cache_verify"].default == "stat" and params["hp_group_key"].default is None

@@ -1,0 +1,85 @@
+"""How a loader over an experience stream is put together: its sampler, its batches, and the checks made up front."""
+
+import logging
+import os
+
+from coordl._core.sizes import format_bytes
+from coordl._fetch.cached_dataset import CachedDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from coordl._rehearsal.batches import DistributedExperienceSampler, ExperienceSampler, RehearsalBatches, check_labels
+from coordl._rehearsal.options import Rehearsal
+from coordl._rehearsal.stream import ExperienceStream
+
+logger = logging.getLogger(__name__)
+
+SIZE_SAMPLES = 64
+"""How many of the stream's files are stat'ed to estimate an exemplar's size (see :func:`check_room`)."""
+
+
+def stream_of(dataset) -> ExperienceStream | None:
+    """The experience stream ``dataset`` is (or a coordl dataset proxy wraps), else None."""
+    inner = dataset.dataset if isinstance(dataset, CachedDataset) else dataset
+    return inner if isinstance(inner, ExperienceStream) else None
+
+
+def stream_sampler(stream: ExperienceStream, *, rehearsal, sampler, batch_sampler, batch_size, shuffle, generator):
+    """The sampler of a loader over ``stream``: the current experience's samples (:class:`ExperienceSampler`;
+    this rank's share of them under a torch ``DistributedSampler`` over the stream, as Lightning and users add
+    one), or a ValueError naming the argument that cannot be combined with a stream."""
+    if rehearsal is not None and not isinstance(rehearsal, Rehearsal):
+        raise ValueError(f"rehearsal should be a coordl.Rehearsal or None, but got rehearsal={rehearsal!r}")
+    if batch_sampler is not None:
+        raise ValueError("a coordl loader over an ExperienceStream draws its batches from the current experience "
+                         f"itself; batch_sampler= ({type(batch_sampler).__name__}) cannot be combined with it")
+    if isinstance(sampler, ExperienceSampler):  # re-created from a coordl loader's parts
+        return sampler
+    distributed = isinstance(sampler, DistributedSampler) and type(sampler).__iter__ is DistributedSampler.__iter__
+    if sampler is not None and not distributed:
+        raise ValueError("a coordl loader over an ExperienceStream draws from the current experience itself; "
+                         f"sampler= ({type(sampler).__name__}) cannot be combined with it (torch's DistributedSampler "
+                         "can: each rank then draws its share of the experience)")
+    if not stream.datasets:
+        raise ValueError("the ExperienceStream has no experience yet: add one (stream.add(dataset)) before building "
+                         "a loader over it")
+    if rehearsal is not None:
+        if batch_size is None:
+            raise ValueError("rehearsal= needs batch_size=: replayed samples are added to each batch")
+        rehearsal.replayed_per_batch(batch_size)
+        check_labels(stream, rehearsal)
+    if distributed:
+        return DistributedExperienceSampler(stream, sampler)
+    return ExperienceSampler(stream, bool(shuffle), generator)
+
+
+def stream_batches(batch_sampler, rehearsal) -> RehearsalBatches | None:
+    """The batches of a loader whose batch sampler (torch's, over an :class:`ExperienceSampler`) is
+    ``batch_sampler``, else None (not a stream's)."""
+    sampler = getattr(batch_sampler, "sampler", None)
+    if not isinstance(sampler, ExperienceSampler):
+        return None
+    return RehearsalBatches(sampler, batch_sampler.batch_size, batch_sampler.drop_last, rehearsal)
+
+
+def check_room(rehearsal: Rehearsal | None, stream: ExperienceStream, wrapped) -> None:
+    """ValueError if ``rehearsal``'s capacity, at the stream's mean file size (estimated from
+    :data:`SIZE_SAMPLES` files), is more than the node's cache of ``wrapped`` can hold."""
+    cache, source = getattr(wrapped, "cache", None), getattr(wrapped, "source", None)
+    if rehearsal is None or cache is None or source is None or not len(source):
+        return
+    n = len(source)
+    sizes = []
+    for i in sorted({k * (n - 1) // max(SIZE_SAMPLES - 1, 1) for k in range(min(SIZE_SAMPLES, n))}):
+        try:
+            sizes.append(os.stat(source.raw_key(i)).st_size)
+        except (OSError, TypeError, ValueError):  # not a local file (an object's key): nothing to estimate from
+            return
+    need = rehearsal.capacity * sum(sizes) // len(sizes)
+    room = cache.capacity_bytes
+    logger.info("rehearsal: %d exemplars of about %s each need about %s of the cache's %s", rehearsal.capacity,
+                format_bytes(need // rehearsal.capacity), format_bytes(need), format_bytes(room))
+    if need > room:
+        raise ValueError(f"rehearsal capacity={rehearsal.capacity} exemplars of about "
+                         f"{format_bytes(need // rehearsal.capacity)} each (the stream's files) need about "
+                         f"{format_bytes(need)}, more than the cache's {format_bytes(room)} in shared memory: lower "
+                         f"capacity or raise cache_bytes")

@@ -1,0 +1,131 @@
+"""Rehearsal end to end: a stream of JPEG folders, torch's workers, the node's cache, and the block device an
+earlier experience lives on, which replaying it never reads."""
+
+import json
+import os
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms as T
+
+import coordl
+from coordl._demo.synthetic import make_image_folder
+from harness.cluster import make_cluster  # noqa: F401  (a fixture)
+from harness.storage_env import LOOP_TOOLS, Cleanup, copy_to_loop_disk, evict_files
+from tests.unit.test_rehearsal import chi_square, chi_square_bound
+
+needs_loop = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/loop-control") or not all(map(shutil.which, LOOP_TOOLS)),
+    reason="needs root, loop devices and " + ", ".join(LOOP_TOOLS) + ": experience 0 lives on a loop-mounted ext4")
+
+NOISY = T.Compose([T.Resize((16, 16)), T.ToTensor(), T.Lambda(lambda x: x + torch.rand(()))])  # fresh every call
+
+
+def _sectors_read(loop: str) -> int:
+    with open(f"/sys/block/{os.path.basename(loop)}/stat") as f:
+        return int(f.read().split()[2])
+
+
+def _stream(roots) -> coordl.ExperienceStream:
+    """Each folder's JPEGs an experience, each sample's target its number in the stream (so a replay names the
+    sample it replays)."""
+    parts, first = [], 0
+    for root in roots:
+        files = sorted(os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names)
+        parts.append(coordl.FileDataset(files, targets=list(range(first, first + len(files))), transform=NOISY))
+        first += len(files)
+    return coordl.ExperienceStream(parts, tagged=True)
+
+
+def _experience_folders(tmp_path) -> list[str]:
+    roots = []
+    for number in range(3):
+        root = str(tmp_path / f"experience{number}")
+        make_image_folder(root, 40, n_classes=2, mean_side_px=64, seed=number)
+        roots.append(root)
+    return roots
+
+
+@needs_loop
+def test_replaying_an_earlier_experience_reads_nothing_from_its_device(tmp_path):
+    roots = _experience_folders(tmp_path)
+    with Cleanup() as cleanup:
+        (tmp_path / "loop").mkdir()
+        disk = copy_to_loop_disk(cleanup, str(tmp_path / "loop"), roots[0])
+        evict_files(disk.root)
+        stream = _stream([disk.root, *roots[1:]])
+        rehearsal = coordl.Rehearsal(24, "experience_balanced", per_batch=4, seed=0)
+        replays: dict[int, list[torch.Tensor]] = {}
+        reads = []
+        with coordl.DataLoader(stream, batch_size=8, shuffle=True, num_workers=2, rehearsal=rehearsal) as loader:
+            for experience in stream:
+                before = _sectors_read(disk.loop)
+                for _ in range(2):
+                    for x, y, replayed, number in loader:
+                        assert (int(replayed.sum()), len(x)) in ((0, 8), (4, 12))
+                        assert (number[:8] == experience.number).all()
+                        for sample, index, was in zip(x, y.tolist(), replayed):
+                            if was and index < 40:
+                                replays.setdefault(index, []).append(sample)
+                reads.append(_sectors_read(disk.loop) - before)
+            epochs, held = loader.stats().epochs, loader.stats().rehearsal
+        assert reads[0] > 0 and reads[1:] == [0, 0]  # experience 0 was read once, then only replayed
+        assert [e.misses for e in epochs] == [40, 0, 40, 0, 40, 0]  # replays are hits: no storage read
+        assert [e.replayed for e in epochs] == [0, 20, 20, 20, 20, 20]
+        assert held["experiences"] == {0: 8, 1: 8, 2: 8} and held["uncached"] == 0 and held["bytes"] > 0
+        twice = [samples for samples in replays.values() if len(samples) > 1]
+        assert twice
+        for first, again in (samples[:2] for samples in twice):  # the same image, augmented afresh
+            offset = first - again
+            assert not torch.equal(first, again) and torch.allclose(offset, offset.flatten()[0], atol=1e-5)
+
+        evict_files(disk.root)  # uncached, the replays of experience 0 read its device: the check can fail
+        stream = _stream([disk.root, *roots[1:]])
+        with coordl.DataLoader(stream, batch_size=8, num_workers=2, cache_bytes=0, drop_page_cache=True,
+                               rehearsal=coordl.Rehearsal(24, per_batch=4, seed=0)) as loader:
+            list(loader)
+            stream.current = 1
+            before = _sectors_read(disk.loop)
+            list(loader)
+            assert _sectors_read(disk.loop) - before > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_servers_replay_the_union_of_their_buffers_through_each_other_s_caches(make_cluster, tmp_path):
+    from tests import _rehearsal_job as job
+    roots = []
+    for number, n in enumerate((64, 192)):
+        roots.append(str(tmp_path / f"experience{number}"))
+        make_image_folder(roots[-1], n, n_classes=2, mean_side_px=48, seed=number)
+    files = [sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names) for root in roots]
+    crcs = [zlib.crc32(open(path, "rb").read()) for path in files[0] + files[1]]
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    cluster = make_cluster(2)
+    cluster.launch_all(job.__file__, [*roots, out], nproc=1, env={"COORDL_PEER_SECRET": "rehearsal-test",
+                                                                  "COORDL_PEER_TIMEOUT_S": "10"})
+    assert cluster.wait(240) == [0, 0], "\n".join(cluster.log(n)[-3000:] for n in range(2))
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    cluster.close()
+    assert ranks[0]["members"] == ranks[1]["members"]  # every rank holds every rank's buffer, alike
+    union = ranks[0]["members"][0]
+    assert len(union) == job.CAPACITY and all(i < 64 for i in union)
+    draws = dict.fromkeys(union, 0)
+    for rank in ranks:
+        for number, epoch in enumerate(rank["epochs"]):
+            for batch in epoch:
+                assert all(crcs[i] == c for i, c in batch)  # every sample's own bytes, replayed or new
+                replayed = batch[job.BATCH:]
+                assert len(replayed) == (0 if number == 0 else job.REPLAYED)
+                if number == 1:  # the buffer as experience 0 left it
+                    for i, _ in replayed:
+                        draws[i] += 1
+        first = rank["stats"][1]  # experience 1's first epoch: its new samples come from storage, replays never
+        assert first["misses"] == 96 and first["storage_bytes"] > 0
+        assert 0 < first["peer_hits"] <= job.REPLAYED * first["batches"]  # the other server's exemplars
+    counts = np.array(list(draws.values()), dtype=float)
+    assert chi_square(counts) < chi_square_bound(len(counts) - 1)
