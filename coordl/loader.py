@@ -312,7 +312,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ``locality``: the batches to draw instead of torch's (``locality.LocalityPlan``, or an experience
         stream's ``RehearsalBatches``)."""
         self.epoch_ledger = ledger
-        ledger.rehearsal = locality if isinstance(locality, RehearsalBatches) else None
+        ledger.stream_batches = locality if isinstance(locality, RehearsalBatches) else None
         if ledger.feed is not None:
             self.dataset.feed = ledger
             object.__setattr__(self, "collate_fn", PreparedCollate(self.collate_fn))

@@ -76,8 +76,8 @@ class EpochLedger:
         cache_stats: a function returning the cache's fill (or None).
         lookahead: reads each pass's items into the cache ahead of the loop (``_fetch.lookahead``), or None.
 
-    ``rehearsal``: an experience stream's batches (``_rehearsal.batches.RehearsalBatches``), set by the loader,
-    or None.
+    ``stream_batches``: an experience stream's batches (``_rehearsal.batches.RehearsalBatches``), set by the
+    loader, or None.
 
     ``observed``: what an observer of the data path keeps with this ledger (``_core.hooks``); it travels
     with the ledger to other processes.
@@ -93,7 +93,7 @@ class EpochLedger:
     def __setstate__(self, state: dict) -> None:
         """Unpickled (``ddp_spawn``'s processes): a loader re-created there over the same dataset follows it."""
         # a ledger pickled before these were its attributes
-        self.__dict__.update({"collate": None, "lookahead": None, "_followers": [], "rehearsal": None, **state})
+        self.__dict__.update({"collate": None, "lookahead": None, "_followers": [], "stream_batches": None, **state})
         self.follow_earlier_over(self._users_dataset())
 
     def __init__(self, dataset, feed=None, group: str | None = None, cache_stats=lambda: None, collate=None,
@@ -105,7 +105,7 @@ class EpochLedger:
         self.current: _Running | None = None
         self._group_stats = None
         self._followers: list[tuple[weakref.ref, list[EpochStats]]] = []
-        self.rehearsal = None
+        self.stream_batches = None
 
     def follow_earlier_over(self, dataset) -> None:
         """Follow the ledgers of the living loaders built earlier over ``dataset`` (the user's). A framework
@@ -202,7 +202,7 @@ class EpochLedger:
         if self.current is not None and self.current.owner is owner:
             self.current.handed += 1
             self.current.yielded += len(batch) if isinstance(batch, list) else 1
-            if self.rehearsal is not None and isinstance(batch, list):
+            if self.stream_batches is not None and isinstance(batch, list):
                 self.current.replayed += sum(1 for index in batch if isinstance(index, Replayed))
 
     def exhausted(self, owner) -> None:
@@ -260,10 +260,11 @@ class EpochLedger:
             epoch.samples = running.yielded
         epoch.decoded = epoch.samples
         epoch.moved = getattr(getattr(running.owner, "sampler", None), "moved", 0)  # locality-aware batches
-        if self.rehearsal is not None:
-            held = self.buffer_stats()
-            epoch.experience, epoch.replayed = self.rehearsal.experience, running.replayed
-            epoch.buffer_items, epoch.buffer_bytes = held["items"], held["bytes"]
+        if self.stream_batches is not None:
+            epoch.experience, epoch.replayed = self.stream_batches.experience, running.replayed
+            if self.stream_batches.rehearsal is not None:
+                held = self.buffer_stats()
+                epoch.buffer_items, epoch.buffer_bytes = held["items"], held["bytes"]
         group = running.group
         if group is not None:
             epoch.members, epoch.samples = group.members, group.delivered_samples
@@ -287,13 +288,15 @@ class EpochLedger:
         total.servers = peers.topology.nodes if peers is not None else 0
         return LoaderStats(epochs=epochs, total=total, cache=live._cache_stats(), group=live._group_stats,
                            peers=peers.peer_stats() if peers is not None else None,
-                           rehearsal=live.buffer_stats() if live.rehearsal is not None else None)
+                           rehearsal=live.buffer_stats())
 
     def buffer_stats(self) -> dict:
         """The rehearsal buffer now: its members (``items``; every rank's, under DDP), the bytes of those the node's
         cache holds (``bytes``) and how many it does not (``uncached``), members per class (``classes``, None without
-        labels), per experience (``experiences``) and per rank's buffer (``ranks``)."""
-        batches = self.rehearsal
+        labels), per experience (``experiences``) and per rank's buffer (``ranks``); None without a buffer."""
+        batches = self.stream_batches
+        if batches is None or batches.rehearsal is None:
+            return None
         members, stream = batches.members(), batches.sampler.stream
         cache = self.dataset.cache if isinstance(self.dataset, CachedDataset) else None
         held = [item for item in cache.views(members) if item is not None] if cache is not None and members else []

@@ -239,6 +239,9 @@ def test_without_rehearsal_a_stream_loader_draws_the_current_experience_alone():
     stream.current = 1
     assert len(loader) == 20 and [x for x, _ in loader] == list(range(10, 30))
     assert len(torch.utils.data.DataLoader(stream)) == 30  # as a dataset: every experience, jointly
+    batched = coordl.DataLoader(stream, batch_size=4)
+    assert [len(x) for x, _ in batched] == [4] * 5
+    assert batched.stats().epochs[-1].experience == 1 and batched.stats().rehearsal is None
 
 
 def test_a_loader_refuses_what_a_stream_cannot_do_naming_it():
