@@ -272,7 +272,9 @@ def _whatif(args) -> int:
             workers=args.workers, servers=args.servers, jobs=args.jobs,
             coordinated=True if args.coordinated else None,
             storage_factor=1.0 if args.storage_mbps is None else args.storage_mbps * mb / pipeline.S,
-            R=None if args.peer_mbps is None else args.peer_mbps * mb, lookahead=args.lookahead)
+            R=None if args.peer_mbps is None else args.peer_mbps * mb, lookahead=args.lookahead,
+            K=None if args.disk_mbps is None else args.disk_mbps * mb,
+            disk_fraction=None if args.disk is None else args.disk / (pipeline.samples * pipeline.sample_bytes))
     except (OSError, ValueError) as e:
         print(f"coordl whatif: {e}", file=sys.stderr)
         return 2
@@ -304,6 +306,16 @@ def _byte_size(text: str) -> int:
                                          "not 'auto', which a loader sizes from the machine it starts on")
     try:
         return parse_size_option("--cache", text, allow_zero=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _disk_size(text: str) -> int:
+    """``--disk``: a size such as ``500GiB``."""
+    if text.strip().endswith("%") or text.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError(f"--disk takes a size such as 500GiB, not {text!r}")
+    try:
+        return parse_size_option("--disk", text, allow_zero=True)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -390,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     whatif.add_argument("--coordinated", action="store_true", help="those jobs share fetch and prep (hp_group)")
     whatif.add_argument("--lookahead", type=_whole_number(0),
                         help="an object store's GETs in flight ahead of the loop (the datasets' lookahead=)")
+    whatif.add_argument("--disk", type=_disk_size, help="what the disk tier may hold (cache_dir_bytes=), e.g. 500GiB")
+    whatif.add_argument("--disk-mbps", type=_positive_number,
+                        help="what the disk tier reads, in MB/s (needed with --disk unless the analysis measured it)")
     whatif.set_defaults(func=_whatif)
 
     _add_ls_rm(sub, "cache", "MinIO caches", ls=(_cache_ls, "list caches, their fill and users"),

@@ -243,7 +243,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             dali = DaliBackend(
                 wrapped, pipeline=dali_pipeline, device=dali_device,
                 train=bool(shuffle or sampler is not None) if dali_train is None else bool(dali_train),
-                batch_size=batch_size or getattr(batch_sampler, "batch_size", None) or 1,
+                batch_size=(batch_size or getattr(batch_sampler, "batch_size", None) or 1) +  # the largest batch
+                (rehearsal.replayed_per_batch(batch_size) if stream is not None and rehearsal is not None else 0),
                 fetch_threads=max(num_workers, 1), dali_threads=max(num_workers, 1),
                 prefetch_batches=(prefetch_factor or 2) * max(num_workers, 1), pin_memory=pin_memory)
         fed = dali is not None or hp_group is not None

@@ -2,7 +2,8 @@
 
 ``_analyze_job.py ROOT [--epochs E] [--workers W] [--step-s S] [--prep-s T] [--fail-at B
 [--only-in-phase PHASE]] [--torch-loader] [--cache-bytes N] [--steps-per-epoch K] [--ddp] [--backend dali]
-[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate] [--step-s-in-run S2]``: an ImageFolder at ROOT (a
+[--hp-group NAME] [--hp-group-size K] [--rebuilt torch|accelerate] [--step-s-in-run S2] [--cache-dir D]``: an
+ImageFolder at ROOT (a
 folder, or an ``s3://`` prefix: an ``ObjectImageFolder``) through
 ``coordl.DataLoader`` (or torch's, ``--torch-loader``; or, ``--rebuilt``, a torch DataLoader built from the coordl
 loader's dataset, batch sampler and collate function, or Accelerate's ``prepare``d one), persistent workers, a
@@ -10,7 +11,7 @@ training step of ``S`` seconds (and ``T`` seconds more prep per sample, waited),
 batches; ``--fail-at B`` raises at batch B (only in coordl analyze's PHASE); ``--ddp``: a rank of a torchrun job
 (gloo, a DistributedSampler, an all-reduce each step, so the ranks go in step); ``--backend``, ``--hp-group``,
 ``--hp-group-size``: ``coordl.DataLoader``'s; ``--step-s-in-run``: the step takes ``S2`` seconds in coordl analyze's
-run phase (a machine that got busy between the phases).
+run phase (a machine that got busy between the phases); ``--cache-dir``: a disk tier there.
 """
 
 import argparse
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--hp-group-size", type=int)
     parser.add_argument("--rebuilt", choices=["torch", "accelerate"])
     parser.add_argument("--step-s-in-run", type=float)
+    parser.add_argument("--cache-dir")
     args = parser.parse_args()
     if args.step_s_in_run is not None and os.environ.get("COORDL_ANALYZE_PHASE") == "run":
         args.step_s = args.step_s_in_run
@@ -69,7 +71,7 @@ def main() -> None:
     else:
         cache_bytes = args.cache_bytes if args.cache_bytes == "auto" else int(args.cache_bytes)
         loader = coordl.DataLoader(dataset, cache_bytes=cache_bytes, backend=args.backend, hp_group=args.hp_group,
-                                   hp_group_size=args.hp_group_size, **options)
+                                   hp_group_size=args.hp_group_size, cache_dir=args.cache_dir, **options)
     if args.rebuilt == "torch":
         loader = torch.utils.data.DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
                                              collate_fn=loader.collate_fn, num_workers=loader.num_workers,

@@ -212,7 +212,8 @@ def _subset_source(dataset, decode: bool) -> tuple[RawBytesDataset | None, str]:
 
 
 def part_sources(datasets, decode: bool, part: str = "part") -> tuple[list | None, str]:
-    """The raw-bytes views of ``datasets`` (a dataset's parts: its ``part``\ s), or (None, why one cannot be cached)."""
+    """The raw-bytes views of ``datasets`` (a dataset's parts, each named a ``part`` in errors), or (None, why one
+    cannot be cached)."""
     parts = []
     for number, dataset in enumerate(datasets):
         source, why = raw_source(dataset, decode)

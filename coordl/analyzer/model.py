@@ -30,6 +30,13 @@ ahead of the loop, so the workers wait for none (``W`` as with no misses) and fe
 ``F = min(F, lookahead / ((1−x)·L))``; ``S`` is the store's rate at the loader's concurrency (the
 look-ahead's and the workers' GETs in flight: latency × concurrency, or the bandwidth).
 
+With a disk tier (``cache_dir=``), the misses of the memory cache (and of the peers) that the disk holds are
+read from it at rate ``K``, each waiting ``L_disk``: its share of an epoch is ``min(h, 1 − x − peers)``, for
+``h`` the share of the dataset it holds apart from the memory cache once filled (1 where its quota holds
+the dataset: it holds what memory holds too; else its quota's share, the two tiers disjoint), and storage
+serves the rest. ``F`` adds ``share/K`` to the busy times, ``W`` the share's waits, and the look-ahead and
+DALI's fetch threads wait only for storage's share.
+
 The training process and prep share the cores: with ``step_cpu_s`` and ``prep_cpu_s`` seconds of CPU per
 sample (the training process's in the ingestion phase; prep's while ``P`` is measured), no more than
 ``cores / (step_cpu_s + prep_cpu_s)`` samples/s go through, however many workers there are; that bound
@@ -81,6 +88,10 @@ class Pipeline:
             (see the module's docstring; 1: none, or not measured).
         concurrency: GETs a worker makes at once for its batch's misses (an object store; 0: one by one).
         lookahead: GETs the look-ahead keeps in flight ahead of the loop (an object store; 0: none).
+        K: the disk tier's fetch rate (samples/s), None: no disk tier.
+        disk_fraction: ``h``, the share of the dataset the disk tier holds apart from the memory cache once
+            filled (1: all of it).
+        L_disk: seconds a worker waits for one item from the disk tier.
     """
 
     samples: int
@@ -105,12 +116,15 @@ class Pipeline:
     peer_share: float | None = None
     concurrency: int = 0
     lookahead: int = 0
+    K: float | None = None
+    disk_fraction: float = 0.0
+    L_disk: float = 0.0
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} should be a rate above 0, but got {getattr(self, name)!r}")
-        for name in ("L", "step_cpu_s", "prep_cpu_s"):
+        for name in ("L", "step_cpu_s", "prep_cpu_s", "L_disk"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} should be seconds at or above 0, but got {getattr(self, name)!r}")
         if not 0 < self.contention <= 1:
@@ -127,6 +141,11 @@ class Pipeline:
                              f"{self.concurrency}, {self.lookahead}")
         if self.peer_share is not None and not 0 <= self.peer_share <= 1 - self.cache_fraction + 1e-9:
             raise ValueError(f"peer_share should be in [0, 1 − cache_fraction], but got {self.peer_share!r}")
+        if not 0 <= self.disk_fraction <= 1:
+            raise ValueError(f"disk_fraction should be in [0, 1], but got {self.disk_fraction!r}")
+        if self.K is not None and not self.K > 0 or self.disk_fraction > 0 and self.K is None:
+            raise ValueError(f"a disk tier's share needs its rate K above 0 (`coordl whatif`: --disk-mbps), but got "
+                             f"K={self.K!r} with disk_fraction={self.disk_fraction!r}")
         if self.servers > 1 and self.R is None:
             raise ValueError("a pipeline over several servers needs the peer fetch rate R (`coordl whatif`: --peer-mbps)")
 
@@ -142,19 +161,32 @@ class Pipeline:
         return min(1.0, self.servers * self.cache_fraction) - self.cache_fraction
 
     @property
+    def _from_disk(self) -> float:
+        """The share of an epoch read from the disk tier: what it holds of the memory's and peers' misses."""
+        if self.K is None:
+            return 0.0
+        return min(self.disk_fraction, max(0.0, 1.0 - self.cache_fraction - self._from_peers))
+
+    @property
+    def _from_storage(self) -> float:
+        """The share of an epoch read from storage: what no cache tier holds."""
+        return max(0.0, 1.0 - self.cache_fraction - self._from_peers - self._from_disk)
+
+    @property
     def fetch_rate(self) -> float:
         """F: samples/s one job's loader fetches (each of ``jobs`` uncoordinated jobs reads every sample);
-        several fetchers keep the cache, the peers and storage busy at once."""
-        local, peers = self.cache_fraction, self._from_peers
-        aggregate = local + peers
-        busy = [local / self.C, max(0.0, 1.0 - aggregate) / self.S]  # seconds per sample of an epoch, by where
+        several fetchers keep the cache, the peers, the disk tier and storage busy at once."""
+        local, peers, disk, misses = self.cache_fraction, self._from_peers, self._from_disk, self._from_storage
+        busy = [local / self.C, misses / self.S]  # seconds per sample of an epoch, by where
         if peers > 0:
             busy.append(peers / self.R)
+        if disk > 0:
+            busy.append(disk / self.K)
         seconds = max(busy) if max(self.workers, self.fetch_threads) > 1 else sum(busy)  # in parallel, or in turn
         rate = math.inf if seconds == 0 else 1.0 / seconds
         ahead = self.fetch_threads or self.lookahead
-        if ahead and aggregate < 1.0 and self.L > 0:  # each thread (or GET in flight) waits L per miss
-            rate = min(rate, ahead / ((1.0 - aggregate) * self.L))
+        if ahead and misses > 0 and self.L > 0:  # each thread (or GET in flight) waits L per storage read
+            rate = min(rate, ahead / (misses * self.L))
         return rate if self.coordinated else rate / self.jobs
 
     @property
@@ -175,11 +207,15 @@ class Pipeline:
         the cores also run the training process."""
         if self.workers == 0:
             return self.prep_rate
-        if self.L == 0 or self.fetch_threads or self.lookahead:  # no wait, or fetched ahead (DALI, look-ahead)
+        if self.fetch_threads or self.lookahead or self._wait_per_sample == 0:  # fetched ahead (DALI, look-ahead)
             return min(self.prep_rate, self.cpu_rate)
-        misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
-        seconds = _processes(self.workers, self.cores) / self.P + misses * self.miss_wait  # of one worker, per sample
+        seconds = _processes(self.workers, self.cores) / self.P + self._wait_per_sample  # of one worker, per sample
         return min(min(self.P, self.workers / seconds) / (1 if self.coordinated else self.jobs), self.cpu_rate)
+
+    @property
+    def _wait_per_sample(self) -> float:
+        """Seconds a worker waits per sample of an epoch for what it reads: storage's misses and the disk's."""
+        return self._from_storage * self.miss_wait + self._from_disk * self.L_disk
 
     @property
     def miss_wait(self) -> float:
@@ -208,8 +244,7 @@ class Pipeline:
         below P by its waits, not held by the cores)."""
         if not self.workers or self.fetch_threads or self.lookahead or self.worker_rate >= self.cpu_rate:
             return False
-        misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
-        return misses * self.miss_wait > _processes(self.workers, self.cores) / self.P
+        return self._wait_per_sample > _processes(self.workers, self.cores) / self.P
 
     def stalls(self, samples_per_s: float | None = None) -> dict:
         """Seconds per epoch of a rank, as the model splits it: the training step alone (``ideal_s``), lost to
@@ -233,9 +268,11 @@ class Pipeline:
     # -- what if ---------------------------------------------------------------------------------------------
 
     def with_changes(self, *, cache_fraction=None, workers=None, storage_factor=1.0, servers=None, jobs=None,
-                     coordinated=None, R=None, peer_share=None, lookahead=None) -> "Pipeline":
+                     coordinated=None, R=None, peer_share=None, lookahead=None, disk_fraction=None,
+                     K=None) -> "Pipeline":
         """The pipeline with another cache, worker count, storage ``storage_factor`` times as fast, servers,
-        jobs, peer rate, share fetched from peers or look-ahead (GETs in flight; ``S`` stays as measured). More workers scale ``P`` in proportion to the processes
+        jobs, peer rate, share fetched from peers, look-ahead (GETs in flight; ``S`` stays as measured), disk
+        tier's share of the dataset or rate. More workers scale ``P`` in proportion to the processes
         doing prep, up to the cores (the measured rate per process times the processes); the measured
         ``contention`` stays. Another cache or servers drop a given ``peer_share`` (the caches' own again)."""
         changes = {"S": self.S * storage_factor}
@@ -249,7 +286,8 @@ class Pipeline:
             if self.fetch_threads:  # the DALI backend fetches on as many threads as it prepares on
                 changes["fetch_threads"] = max(workers, 1)
         for name, value in (("servers", servers), ("jobs", jobs), ("coordinated", coordinated), ("R", R),
-                            ("peer_share", peer_share), ("lookahead", lookahead)):
+                            ("peer_share", peer_share), ("lookahead", lookahead), ("K", K),
+                            ("disk_fraction", None if disk_fraction is None else min(1.0, disk_fraction))):
             if value is not None:
                 changes[name] = value
         return dataclasses.replace(self, **changes)
@@ -271,6 +309,25 @@ class Pipeline:
             low, high = (low, mid) if fits(mid) else (mid, high)
         return high
 
+    def disk_knee(self) -> float | None:
+        """The least share of the dataset a disk tier must hold that removes the fetch stall; 0 when there is
+        none to remove, None without a disk rate or when even the whole dataset on disk would not do."""
+        if self.K is None:
+            return None
+
+        def fits(h):
+            p = self.with_changes(disk_fraction=h)
+            return p.fetch_rate >= p.contention * min(p.worker_rate, p.G) * (1 - 1e-12)
+        if fits(0.0):
+            return 0.0
+        if not fits(1.0):
+            return None
+        low, high = 0.0, 1.0
+        while high - low > 1e-6:
+            mid = (low + high) / 2
+            low, high = (low, mid) if fits(mid) else (mid, high)
+        return high
+
     def workers_knee(self) -> int | None:
         """The fewest workers (at least 1) that keep up with the training step (``W ≥ G``); None when twice
         as many as the cores cannot."""
@@ -284,7 +341,7 @@ class Pipeline:
         """The fewest GETs in flight ahead of the loop that remove the fetch stall (``F ≥ contention · min(W,
         G)`` with the workers waiting for none); 0 when nothing is fetched, None when the store's rate ``S``
         (or the cache's) is what holds fetching, which no look-ahead changes."""
-        misses = max(0.0, 1.0 - self.cache_fraction - self._from_peers)
+        misses = self._from_storage
         if misses == 0 or self.L == 0:
             return 0
         ahead = self.with_changes(lookahead=1)
@@ -316,6 +373,11 @@ def answers(pipeline: Pipeline, jobs=(2, 4), servers=(2, 4)) -> list[dict]:
         out.append({"question": "fewest GETs in flight ahead of the loop that remove the fetch stall",
                     "lookahead": depth,
                     "samples_per_s": None if depth is None else p.with_changes(lookahead=depth).predicted})
+    if p.K is not None:
+        knee = p.disk_knee()
+        out.append({"question": "smallest disk tier that removes the fetch stall", "disk_fraction": knee,
+                    "disk_bytes": None if knee is None else knee * p.samples * p.sample_bytes,
+                    "samples_per_s": None if knee is None else p.with_changes(disk_fraction=knee).predicted})
     out.append({"question": "storage twice as fast", "storage_factor": 2.0,
                 "samples_per_s": p.with_changes(storage_factor=2.0).predicted})
     for k in jobs:

@@ -28,6 +28,10 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   several servers with partitioned caching, ``R`` too (after C, before P): the servers' caches, each holding
   its ranks' parts, are mapped as at an epoch start, and each rank fetches from the next server's cache what
   that server's rank of the same local rank put there, a batch per request on as many threads as cores.
+  With a disk tier (``cache_dir=``), S and L are storage's own (read past the tier, which writes what they
+  read), then ``K`` (the subset from the tier's disk, as a worker's misses read it, on as many threads as
+  cores, for at least :data:`STORAGE_MIN_S`), ``L_disk`` (one reader's wait for one item from it) and
+  ``disk_fraction`` (what its quota, or the file system's room, lets it hold of the dataset).
   Then, where
   coordl.DataLoader's own iterator runs (not an hp_group), ``Q``: the training loop's samples/s over the
   timed window on batches prepared from those items as the loader prepares its own (nothing fetched from
@@ -80,6 +84,7 @@ import torch
 from coordl._core import hooks, settings
 from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl._core.sysinfo import cpu_seconds
+from coordl._disk.folder import room_for
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
 from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._peer.topology import EXCHANGE_ENV
@@ -630,7 +635,7 @@ class _DaliPasses:
 def _hits(loader) -> tuple[int, int, int]:
     """Samples served from this server's cache, from the peers' caches, and fetched in all, so far."""
     total = loader.stats().total
-    return total.hits, total.peer_hits, total.hits + total.peer_hits + total.misses
+    return total.hits, total.peer_hits, total.hits + total.peer_hits + total.disk_hits + total.misses
 
 
 def _timers(loader) -> dict:
@@ -659,6 +664,9 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
     keys = [source.raw_key(i) for i in subset]
     stamped = hasattr(storage, "read_stamped")
     read = storage.read_stamped if stamped else storage.read
+    disk = callable(getattr(storage, "read_past_disk", None))
+    if disk:  # storage's own rate: the tier writes what these read, for K
+        read = storage.read_past_disk
     in_flight, lookahead = _gets_in_flight(loader, storage, prep["num_workers"])
     device_before, storage_s, passes = _device_read_bytes(), 0.0, 0
     least = least_s(STORAGE_MIN_S)
@@ -688,6 +696,8 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
     if in_flight:  # an object store: no block device to say how cold
         result["L_cold_fraction"] = None
     result["L_burst"] = burst
+    if disk:
+        result.update(_disk_rates(storage, keys, result["sample_bytes"] * len(dataset), cores))
     datas = [r[0] if stamped else r for r in raws]
     cached = []
     if cache is not None:
@@ -717,6 +727,34 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         rate, cpu_s = _dali_prep_rate(dali, held, indices, batch_size)
     result["P"], result["prep_cpu_s"] = rate, cpu_s / len(indices)
     return result, prepared if group is None else None
+
+
+def _disk_rates(tier, keys: list, dataset_bytes: float, cores: int) -> dict:
+    """The disk tier's ``K`` (samples/s over the keys it holds once their writes are done, on ``cores``
+    threads, as a batch's misses are read), ``L_disk`` (one reader's mean wait for one of them) and
+    ``disk_fraction`` (the share of the dataset its quota, or the file system's room, lets it hold; 1: all)."""
+    tier.flush(None)
+    cache = tier.cache
+    room = cache.pack_bytes() + room_for(tier.cache_dir, cache.folder, int(dataset_bytes), tier.quota, evict=False)
+    held = [key for key in keys if tier.holds(key)]
+    out = {"disk_fraction": min(1.0, room / max(1.0, dataset_bytes)), "K_samples": len(held), "K": None,
+           "L_disk": 0.0}
+    if not held:
+        return out
+    elapsed, passes, least = 0.0, 0, least_s(STORAGE_MIN_S)
+    with concurrent.futures.ThreadPoolExecutor(cores) as pool:
+        while passes == 0 or elapsed < least:
+            started = time.perf_counter()
+            list(pool.map(tier.read_stamped, held))  # from its disk (its pages dropped after each read)
+            elapsed += time.perf_counter() - started
+            passes += 1
+    waits = []
+    for key in held[:LATENCY_READS]:
+        started = time.perf_counter()
+        tier.read_stamped(key)
+        waits.append(time.perf_counter() - started)
+    out.update(K=passes * len(held) / elapsed, L_disk=sum(waits) / len(waits))
+    return out
 
 
 def _gets_in_flight(loader, storage, workers: int) -> tuple[int, int]:

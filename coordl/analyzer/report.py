@@ -19,9 +19,11 @@ def to_json(pipeline: Pipeline, measured: float | None = None,
             "dataset": {"samples": p.samples, "bytes": dataset_bytes},
             "config": {"cache_bytes": p.cache_fraction * dataset_bytes, "workers": p.workers, "cores": p.cores,
                        "servers": p.servers, "jobs": p.jobs, "coordinated": p.coordinated, "ranks": p.ranks,
-                       "fetch_threads": p.fetch_threads, "concurrency": p.concurrency, "lookahead": p.lookahead},
-            "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R},
+                       "fetch_threads": p.fetch_threads, "concurrency": p.concurrency, "lookahead": p.lookahead,
+                       "disk_bytes": p.disk_fraction * dataset_bytes if p.K is not None else None},
+            "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R, "K": p.K},
             "miss_wait_s": p.L,
+            "disk_wait_s": p.L_disk,
             "cpu_s_per_sample": {"step": p.step_cpu_s, "prep": p.prep_cpu_s},
             "contention": p.contention,
             "cpu_samples_per_s": None if math.isinf(p.cpu_rate) else p.cpu_rate,
@@ -70,6 +72,7 @@ def load(path: str) -> tuple[Pipeline, float | None]:
     try:
         dataset, config, rates = doc["dataset"], doc["config"], doc["rates"]
         cpu = doc.get("cpu_s_per_sample", {})
+        disk_bytes = config.get("disk_bytes")
         pipeline = Pipeline(samples=int(dataset["samples"]), sample_bytes=dataset["bytes"] / dataset["samples"],
                             G=rates["G"], P=rates["P"], S=rates["S"], C=rates["C"], R=rates.get("R"),
                             L=float(doc.get("miss_wait_s", 0.0)),
@@ -80,7 +83,9 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             fetch_threads=int(config.get("fetch_threads", 0)),
                             concurrency=int(config.get("concurrency", 0)), lookahead=int(config.get("lookahead", 0)),
                             step_cpu_s=float(cpu.get("step", 0.0)), prep_cpu_s=float(cpu.get("prep", 0.0)),
-                            contention=float(doc.get("contention", 1.0)))
+                            contention=float(doc.get("contention", 1.0)), K=rates.get("K"),
+                            disk_fraction=0.0 if disk_bytes is None else min(1.0, disk_bytes / dataset["bytes"]),
+                            L_disk=float(doc.get("disk_wait_s", 0.0)))
     except KeyError as e:
         raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
     except (AttributeError, TypeError, ZeroDivisionError, ValueError) as e:
@@ -133,6 +138,8 @@ def describe(pipeline: Pipeline, measured: float | None = None,
               f"{p.workers} workers") + f" on {p.cores} cores" + (f", {p.servers} servers" if p.servers > 1 else "") +
              (f"; an object store: {p.concurrency} GETs at once per worker, {p.lookahead} in flight ahead of the "
               "loop" if p.concurrency else "") +
+             (f"; a disk tier holding {format_bytes(p.disk_fraction * dataset_bytes)} ({p.disk_fraction:.0%})"
+              if p.K is not None else "") +
              (f", {p.jobs} {'coordinated' if p.coordinated else 'separate'} jobs" if p.jobs > 1 else "") +
              (f"; {p.servers * p.ranks} ranks, each with the rates below (the job: {p.servers * p.ranks} × a "
               "rank's)" if p.servers * p.ranks > 1 else ""),
@@ -142,6 +149,8 @@ def describe(pipeline: Pipeline, measured: float | None = None,
              f"  C cache         {_rate(p.C, p.sample_bytes)}"]
     if p.R is not None:
         lines.append(f"  R peers         {_rate(p.R, p.sample_bytes)}")
+    if p.K is not None:
+        lines.append(f"  K disk tier     {_rate(p.K, p.sample_bytes)}  ({p.L_disk * 1e3:.2f} ms waited per item)")
     lines += [f"  F fetch         {_rate(p.fetch_rate, p.sample_bytes)}"]
     if not math.isinf(p.cpu_rate):
         lines.append(f"  CPU             {_rate(p.cpu_rate, p.sample_bytes)}  ({p.cores} cores; per sample "
@@ -194,6 +203,9 @@ def describe(pipeline: Pipeline, measured: float | None = None,
         if "cache_fraction" in a:
             text = ("no cache is enough: the cache's own rate C is below min(P, G)" if rate is None else
                     f"{format_bytes(a['cache_bytes'])} ({a['cache_fraction']:.0%} of the dataset)")
+        elif "disk_fraction" in a:
+            text = ("no disk tier is enough: its own rate K is below min(P, G)" if rate is None else
+                    f"{format_bytes(a['disk_bytes'])} ({a['disk_fraction']:.0%} of the dataset)")
         elif "lookahead" in a:
             text = ("no look-ahead is enough: the store's rate S holds fetching" if a["lookahead"] is None else
                     f"lookahead={a['lookahead']}")

@@ -30,7 +30,7 @@ PHASE_TITLES = {"ingestion": "G: the training step alone (one batch, over and ov
 STOP_GRACE_S = 5.0
 OBSERVER = "coordl.analyzer.phases:OBSERVER"
 """The data path's observer in a phase run of the script (``COORDL_OBSERVER``)."""
-RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R", "step_samples_per_s")
+RATE_KEYS = ("samples_per_s", "S", "C", "P", "Q", "R", "K", "step_samples_per_s")
 """The rates (samples/s) a phase's result may hold."""
 UNSTEADY = 1.5
 """A rate whose window's parts differ by more than this factor, or that moved by more between phases, is
@@ -160,7 +160,7 @@ def _combine(ranks: list[dict]) -> dict:
             out[key] = min(values) if values else None
     for key in together:
         out[key] = sum(r[key] for r in ranks)
-    for key in ("L", "loop_cpu_s", "prep_cpu_s", "spread", "Q_spread"):
+    for key in ("L", "L_disk", "loop_cpu_s", "prep_cpu_s", "spread", "Q_spread"):
         values = [r[key] for r in ranks if r.get(key) is not None]
         if key in out:
             out[key] = max(values) if values else None
@@ -208,6 +208,9 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
             flags.append(f"{rate}: only {rates[cold]:.0%} of the storage reads came from a block device; the rest "
                          f"was served from memory (the page cache, or a RAM-backed file system), so {rate} is "
                          f"{wrong} for cold reads")
+    if "disk_fraction" in rates and rates.get("K") is None:
+        flags.append("K: the disk tier held none of the subset after reading it (off, or its quota full), so it is "
+                     "modelled as absent")
     servers = rates.get("servers", 1)
     if servers > 1 and rates["R"] is None:
         flags.append("R: nothing was fetched from a peer (the other servers' caches took none of the subset, or "
@@ -224,7 +227,9 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
                         cache_fraction=min(1.0, rates["cache_bytes"] / dataset_bytes), servers=servers,
                         R=rates.get("R") if servers > 1 else None,
                         step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"],
-                        concurrency=rates.get("concurrency", 0), lookahead=rates.get("lookahead", 0), **shape)
+                        concurrency=rates.get("concurrency", 0), lookahead=rates.get("lookahead", 0),
+                        K=rates.get("K"), disk_fraction=rates.get("disk_fraction", 0.0) if rates.get("K") else 0.0,
+                        L_disk=rates.get("L_disk", 0.0), **shape)
     if rates.get("Q") is not None:  # Q had nothing to fetch: of what W and G allow with no misses
         alone = pipeline.with_changes(cache_fraction=1.0)
         pipeline = dataclasses.replace(pipeline, contention=min(1.0, rates["Q"] / min(alone.worker_rate, alone.G)))

@@ -170,6 +170,21 @@ def test_without_a_cache_a_copy_in_memory_stands_for_a_hit(image_root, tmp_path)
 
 
 @pytest.mark.slow
+def test_a_disk_tier_is_measured_apart_from_storage_and_modelled(image_root, tmp_path):
+    cache_dir = tmp_path / "disk"
+    proc = _analyze(tmp_path / "out", image_root, "--cache-bytes", "0", "--cache-dir", str(cache_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.load(open(tmp_path / "out" / "analysis.json"))
+    rates = doc["phases"]["rates"]
+    assert rates["K"] > 0 and rates["K_samples"] == rates["subset"] and rates["L_disk"] > 0
+    assert rates["disk_fraction"] == 1.0 and doc["config"]["disk_bytes"] == pytest.approx(doc["dataset"]["bytes"])
+    assert doc["rates"]["K"] == rates["K"] and "K disk tier" in proc.stdout
+    assert any(a["question"] == "smallest disk tier that removes the fetch stall" for a in doc["whatif"])
+    assert coordl.minio_cache.list_caches() == []  # nothing left in memory; the disk cache stays
+    assert os.listdir(cache_dir)
+
+
+@pytest.mark.slow
 def test_a_torchrun_job_is_measured_rank_by_rank(image_root, tmp_path):
     """Both ranks measure each phase at once, each over its own half of the subset; the job's rates are the
     slower rank's, and its throughput twice a rank's."""

@@ -173,6 +173,33 @@ def test_a_disk_that_fills_turns_the_tier_off_with_one_warning_and_loading_goes_
     assert result["epochs"][1]["corrupt"] == 0 and result["epochs"][1]["misses"] == len(files)
 
 
+def _cut_short(disk) -> None:
+    """Make every read of ``disk`` (a :class:`LoopDisk`) past its first 8 MiB fail with EIO in the block layer, as
+    a failing disk's reads do: its image is cut to 8 MiB and the loop device told its new size."""
+    os.truncate(disk.image, 8 << 20)
+    subprocess.run(["losetup", "--set-capacity", disk.loop], check=True)
+
+
+@pytest.mark.slow
+@needs_loop
+def test_a_disk_whose_reads_fail_turns_the_tier_off_with_one_warning_and_loading_goes_on(tmp_path, shm_namespace):
+    root = str(tmp_path / "data")
+    files = _disk_procs.make_files(root, 60, sizes=(200_000, 400_000))  # 18 MB: most of it past the cut
+    crcs = _crcs(files)
+    with Cleanup() as cleanup:
+        disk = loop_disk(cleanup, str(tmp_path), 128 << 20)
+        cache_dir = os.path.join(disk.root, "cache")
+        filled = _run(tmp_path, "fill", root, cache_dir, 2, 0, 2, 0)
+        assert filled["epochs"][1]["disk_hits"] == len(files)  # the tier held every item
+        os.sync()
+        _cut_short(disk)  # from now on the packs' blocks cannot be read
+        result, stderr = _job_with_stderr(tmp_path, "failing", root, cache_dir, 2, 0, 2, 1, quota="auto")
+    _each_epoch_sees_every_sample_once_with_its_bytes(result, crcs)
+    warnings = [line for line in stderr.splitlines() if "disk cache" in line and "turned off" in line]
+    assert len(warnings) == 1 and "Input/output error" in warnings[0], stderr[-2000:]
+    assert result["epochs"][1]["misses"] == len(files) and result["epochs"][1]["disk_hits"] == 0
+
+
 @pytest.mark.slow
 def test_a_quota_of_half_the_dataset_gives_the_same_disk_hits_every_later_epoch(tmp_path, shm_namespace):
     root, cache_dir = str(tmp_path / "data"), str(tmp_path / "disk")

@@ -129,3 +129,25 @@ def test_two_servers_replay_the_union_of_their_buffers_through_each_other_s_cach
         assert 0 < first["peer_hits"] <= job.REPLAYED * first["batches"]  # the other server's exemplars
     counts = np.array(list(draws.values()), dtype=float)
     assert chi_square(counts) < chi_square_bound(len(counts) - 1)
+
+
+def test_the_dali_backend_prepares_each_batch_s_new_and_replayed_samples(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    roots = _experience_folders(tmp_path)[:2]
+    parts, first = [], 0
+    for root in roots:  # each sample's label its number in the stream, so a batch says which samples it holds
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+        parts.append(coordl.FileDataset(files, targets=list(range(first, first + len(files)))))
+        first += len(files)
+    stream = coordl.ExperienceStream(parts)
+    rehearsal = coordl.Rehearsal(12, per_batch=4, seed=0)
+    with coordl.DataLoader(stream, batch_size=8, shuffle=True, num_workers=2, backend="dali", cache_bytes="auto",
+                           rehearsal=rehearsal) as loader:
+        for experience in stream:
+            members = set(rehearsal.members())
+            labels = [batch_labels.tolist() for _, batch_labels in loader]
+            new = sorted(i for batch in labels for i in batch[:8])
+            assert new == list(range(experience.start, experience.stop))
+            assert all(len(batch) == (8 if experience.number == 0 else 12) for batch in labels)
+            assert all(set(batch[8:]) <= members for batch in labels)
+        assert loader.stats().epochs[-1].replayed == 20

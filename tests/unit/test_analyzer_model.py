@@ -259,7 +259,7 @@ def test_an_analysis_round_trips_through_its_json(tmp_path):
     analyzer.save(path, p, measured=205.0)
     doc = json.load(open(path))
     assert doc["predicted_samples_per_s"] == pytest.approx(p.predicted) and doc["bottleneck"] == "fetch"
-    assert set(doc["rates"]) == {"G", "P", "S", "C", "R"} and set(doc["stall"]) == {"ideal_s", "prep_s", "fetch_s",
+    assert set(doc["rates"]) == {"G", "P", "S", "C", "R", "K"} and set(doc["stall"]) == {"ideal_s", "prep_s", "fetch_s",
                                                                                   "unexplained_s"}
     again, measured = analyzer.load(path)
     assert again == p and measured == 205.0
@@ -322,3 +322,71 @@ def test_whatif_takes_a_cache_as_a_share_of_the_memory_available(tmp_path, capsy
         with pytest.raises(SystemExit):
             cli.main(["whatif", path, "--cache", bad])
         assert "--cache" in capsys.readouterr().err
+
+
+# -- the disk tier -------------------------------------------------------------------------------------------
+
+DISK = dict(BASE, K=2000.0, L_disk=0.0005)
+
+
+@pytest.mark.parametrize("h", [1.0, 0.5, 0.2])
+def test_a_disk_tier_serves_what_it_holds_of_the_memory_caches_misses_and_storage_the_rest(h):
+    p = Pipeline(**{**DISK, "disk_fraction": h})
+    x = p.cache_fraction
+    disk = min(h, 1 - x)  # 1: it holds what memory holds too; below 1, the two tiers are disjoint
+    storage = 1 - x - disk
+    assert p.fetch_rate == pytest.approx(1 / max(x / p.C, disk / p.K, storage / p.S))
+    one = Pipeline(**{**DISK, "disk_fraction": h, "workers": 1})
+    assert one.fetch_rate == pytest.approx(1 / (x / p.C + disk / p.K + storage / p.S))  # one fetcher: in turn
+    assert Pipeline(**{**DISK, "disk_fraction": 0.0}).fetch_rate == Pipeline(**BASE).fetch_rate
+    assert Pipeline(**BASE, disk_fraction=0.0).fetch_rate == Pipeline(**BASE).fetch_rate
+
+
+def test_a_worker_waits_for_its_disk_reads_too():
+    p = Pipeline(**{**DISK, "disk_fraction": 0.4, "L": 0.01, "workers": 2, "P": 600.0})
+    x, disk = p.cache_fraction, 0.4
+    seconds = 2 / p.P + (1 - x - disk) * p.L + disk * p.L_disk
+    assert p.worker_rate == pytest.approx(min(p.P, 2 / seconds))
+    assert p.worker_rate > Pipeline(**{**BASE, "L": 0.01, "workers": 2}).worker_rate  # disk reads wait less
+
+
+def test_the_disk_knee_is_the_least_share_on_disk_that_removes_the_fetch_stall():
+    p = Pipeline(**DISK)
+    knee = p.disk_knee()
+    assert 0 < knee < 1
+    at, below = p.with_changes(disk_fraction=knee), p.with_changes(disk_fraction=knee * 0.95)
+    target = min(at.worker_rate, at.G)
+    assert at.fetch_rate >= target * (1 - 1e-9) and below.fetch_rate < target
+    assert Pipeline(**{**DISK, "K": 100.0}).disk_knee() is None  # a disk slower than storage's share needs
+    assert Pipeline(**{**DISK, "cache_fraction": 1.0}).disk_knee() == 0.0
+    assert Pipeline(**BASE).disk_knee() is None  # no disk rate to answer with
+    questions = {a["question"]: a for a in analyzer.answers(p)}
+    assert questions["smallest disk tier that removes the fetch stall"]["disk_fraction"] == pytest.approx(knee)
+
+
+def test_a_disk_share_without_a_disk_rate_is_refused_naming_the_option():
+    with pytest.raises(ValueError, match="--disk-mbps"):
+        Pipeline(**BASE, disk_fraction=0.5)
+    with pytest.raises(ValueError, match="disk_fraction"):
+        Pipeline(**{**DISK, "disk_fraction": 1.5})
+
+
+def test_an_analysis_with_a_disk_tier_round_trips_and_whatif_answers_for_another_disk(tmp_path, capsys):
+    p = Pipeline(**{**DISK, "disk_fraction": 0.25})
+    path = str(tmp_path / "analysis.json")
+    analyzer.save(path, p)
+    assert analyzer.load(path)[0] == p
+    assert "K disk tier" in analyzer.describe(p) and "a disk tier holding" in analyzer.describe(p)
+    assert cli.main(["whatif", path, "--disk", "500MiB"]) == 0
+    expected = p.with_changes(disk_fraction=500 * 2**20 / (p.samples * p.sample_bytes))
+    assert f"with the changes: {expected.predicted:.1f} samples/s" in capsys.readouterr().out
+    plain = str(tmp_path / "plain.json")
+    analyzer.save(plain, Pipeline(**BASE))
+    assert cli.main(["whatif", plain, "--disk", "1GiB"]) == 2
+    assert "--disk-mbps" in capsys.readouterr().err
+    assert cli.main(["whatif", plain, "--disk", "1GiB", "--disk-mbps", "400"]) == 0
+    disk = Pipeline(**BASE).with_changes(disk_fraction=2**30 / (p.samples * p.sample_bytes), K=400e6 / p.sample_bytes)
+    assert f"with the changes: {disk.predicted:.1f} samples/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["whatif", plain, "--disk", "50%"])
+

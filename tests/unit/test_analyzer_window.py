@@ -45,7 +45,7 @@ class _Clock:
 
 
 def _loader():
-    total = types.SimpleNamespace(hits=0, peer_hits=0, misses=0)
+    total = types.SimpleNamespace(hits=0, peer_hits=0, misses=0, disk_hits=0)
     return types.SimpleNamespace(epoch_ledger=object(), batch_size=4, num_workers=0, prefetch_factor=None,
                                  stats=lambda: types.SimpleNamespace(total=total))
 
@@ -301,7 +301,8 @@ def _run_window(monkeypatch, tmp_path, clock, totals, iters: int) -> "phases._Wi
 
 
 def _totals():
-    return types.SimpleNamespace(hits=0, peer_hits=0, misses=0, stall_s=0.0, storage_wait_s=0.0, peer_wait_s=0.0,
+    return types.SimpleNamespace(hits=0, peer_hits=0, misses=0, disk_hits=0, stall_s=0.0, storage_wait_s=0.0,
+                                 peer_wait_s=0.0,
                                  prep_s=0.0)
 
 
