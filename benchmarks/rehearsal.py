@@ -18,7 +18,8 @@ two runs see the same batches bit for bit.
 
 Throughput: a stream of 20 experiences of 600 JPEGs (decode, random crop), 3 epochs each, 2 workers, b =
 32, no training step; samples/s (new + replayed) with r = b/2 and K = 1000 against the same loader without
-rehearsal, and each experience's samples/s (the median of the repetitions) against their median. Writes
+rehearsal, and how each experience's samples/s (the median of the repetitions) moves over the stream: its
+largest gap from their median and the trend of a line fitted through them, beside the same without rehearsal. Writes
 ``results.json``, ``setup.json`` and ``results.md`` into ``--out``.
 """
 
@@ -289,13 +290,22 @@ def throughput_runs(args, work: str) -> dict:
         ratios.append(on["samples_per_s"] / off["samples_per_s"])
         later_ratios.append(statistics.median(a["later_samples_per_s"] / b["later_samples_per_s"]
                                               for a, b in zip(on["experiences"], off["experiences"])))
-    # each experience's median over the repetitions; experience 0 has nothing to replay
-    rates = [statistics.median(run["experiences"][k]["samples_per_s"] for run in runs if run["rehearsal"])
-             for k in range(1, args.stream_experiences)]
-    middle = statistics.median(rates)
+    flat = {flag: flatness(runs, flag, args.stream_experiences) for flag in (True, False)}
     return {"runs": runs, "ratio": metrics.spread(ratios), "ratios": ratios,
-            "later_ratio": metrics.spread(later_ratios), "experience_rates": rates,
-            "flatness": max(abs(rate / middle - 1) for rate in rates), "last_vs_first": rates[-1] / rates[0]}
+            "later_ratio": metrics.spread(later_ratios), **flat[True],
+            "without": flat[False]}
+
+
+def flatness(runs: list[dict], rehearsal: bool, experiences: int) -> dict:
+    """How samples/s moves from experience 1 to the last (experience 0 has nothing to replay): each experience's
+    median over the repetitions, their largest gap from their median, and the change from the first to the last
+    of a straight line fitted through them (what grows with the stream, apart from the machine's noise)."""
+    mine = [run for run in runs if run["rehearsal"] is rehearsal]
+    rates = [statistics.median(run["experiences"][k]["samples_per_s"] for run in mine) for k in range(1, experiences)]
+    middle = statistics.median(rates)
+    slope, intercept = np.polyfit(np.arange(len(rates)), rates, 1)
+    return {"experience_rates": rates, "flatness": max(abs(rate / middle - 1) for rate in rates),
+            "trend": (intercept + slope * (len(rates) - 1)) / intercept - 1}
 
 
 def markdown(result: dict, args) -> str:
@@ -310,9 +320,10 @@ def markdown(result: dict, args) -> str:
     lines += ["", f"Throughput over {args.stream_experiences} experiences ({args.workers} workers, r = b/2, K = 1000, "
                   f"{args.reps} repetitions): samples/s with rehearsal ÷ without {report.spread_text(t['ratio'])} "
                   f"(in the epochs after each experience's first, all cache hits: "
-                  f"{report.spread_text(t['later_ratio'])}); each experience's samples/s (median of the repetitions) "
-                  f"within {t['flatness']:.1%} of their median from experience 1 to {args.stream_experiences - 1}; "
-                  f"the last ÷ the first {t['last_vs_first']:.2f}."]
+                  f"{report.spread_text(t['later_ratio'])}); from experience 1 to {args.stream_experiences - 1}, "
+                  f"each experience's samples/s (median of the repetitions) within {t['flatness']:.1%} of their "
+                  f"median (without rehearsal: {t['without']['flatness']:.1%}), and a straight line through them "
+                  f"{t['trend']:+.1%} from the first to the last (without rehearsal: {t['without']['trend']:+.1%})."]
     return "\n".join(lines)
 
 

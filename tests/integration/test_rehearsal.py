@@ -151,3 +151,17 @@ def test_the_dali_backend_prepares_each_batch_s_new_and_replayed_samples(tmp_pat
             assert all(len(batch) == (8 if experience.number == 0 else 12) for batch in labels)
             assert all(set(batch[8:]) <= members for batch in labels)
         assert loader.stats().epochs[-1].replayed == 20
+
+
+def test_a_buffer_whose_exemplars_would_not_fit_in_the_cache_is_refused_at_construction(tmp_path):
+    files = []
+    for i in range(20):
+        files.append(str(tmp_path / f"{i}.bin"))
+        with open(files[-1], "wb") as f:
+            f.write(os.urandom(50_000))
+    stream = coordl.ExperienceStream([coordl.FileDataset(files, targets=[i % 2 for i in range(20)], decode="bytes")])
+    with pytest.raises(ValueError, match=r"capacity=100 exemplars of about 48\.8 KiB each .* need about 4\.8 MiB, "
+                                         r"more than the cache's 1\.0 MiB"):
+        coordl.DataLoader(stream, batch_size=4, cache_bytes="1MiB", rehearsal=coordl.Rehearsal(100, per_batch=2))
+    with coordl.DataLoader(stream, batch_size=4, cache_bytes="8MiB", rehearsal=coordl.Rehearsal(100, per_batch=2)):
+        pass
