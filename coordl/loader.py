@@ -34,7 +34,7 @@ from coordl._fetch.raw_datasets import raw_source
 from coordl._group.config import check_group_compatible, check_group_options
 from coordl._peer.locality import LocalityPlan, locality_plan
 from coordl._rehearsal.batches import RehearsalBatches
-from coordl._rehearsal.setup import check_room, stream_batches, stream_of, stream_sampler
+from coordl._rehearsal.setup import exemplar_region, stream_batches, stream_of, stream_sampler
 from coordl.stats import LoaderStats
 
 logger = logging.getLogger(__name__)
@@ -271,8 +271,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 plan = locality_plan(self.sampler, self.batch_size, self.drop_last, getattr(wrapped, "peers", None),
                                      batch_sampler is not None)
             if stream is not None:
-                check_room(rehearsal, stream, wrapped)
                 plan = stream_batches(self.batch_sampler, rehearsal)
+                exemplar_region(rehearsal, stream, wrapped, plan)
         except BaseException:
             _release(wrapped)
             raise

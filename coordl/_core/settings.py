@@ -35,6 +35,9 @@ SHM_PREFIX = "cdl_"
 CACHE_KIND = "cache"
 """Kind suffix of MinIO cache segments."""
 
+EXEMPLARS_KIND = "exemplars"
+"""Kind suffix of the segments that hold rehearsal exemplars the cache does not (``_rehearsal.exemplars``)."""
+
 MAX_CACHE_USERS = 1024
 """Processes that may map one cache at once (loaders, their workers, other jobs)."""
 

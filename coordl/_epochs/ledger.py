@@ -292,14 +292,20 @@ class EpochLedger:
 
     def buffer_stats(self) -> dict:
         """The rehearsal buffer now: its members (``items``; every rank's, under DDP), the bytes of those the node's
-        cache holds (``bytes``) and how many it does not (``uncached``), members per class (``classes``, None without
-        labels), per experience (``experiences``) and per rank's buffer (``ranks``); None without a buffer."""
+        cache or exemplar region holds (``bytes``) and how many neither does (``uncached``), members per class
+        (``classes``, None without labels), per experience (``experiences``) and per rank's buffer (``ranks``), and
+        the exemplar region's fill (``region``: items, bytes, bound, puts refused for want of room; None without
+        one); None without a buffer."""
         batches = self.stream_batches
         if batches is None or batches.rehearsal is None:
             return None
-        members, stream = batches.members(), batches.sampler.stream
+        members, stream, region = batches.members(), batches.sampler.stream, batches.exemplars
         cache = self.dataset.cache if isinstance(self.dataset, CachedDataset) else None
-        held = [item for item in cache.views(members) if item is not None] if cache is not None and members else []
+        cached = cache.views(members) if cache is not None and members else [None] * len(members)
+        sizes = [None if item is None else len(item[0]) for item in cached]
+        if region is not None:
+            sizes = [size if size is not None else held for size, held in zip(sizes, region.sizes(members))]
+        held = [size for size in sizes if size is not None]
         experiences: dict[int, int] = {}
         for index in members:
             number = stream.locate(index)[0]
@@ -314,6 +320,7 @@ class EpochLedger:
             classes = None
         except TypeError:  # labels that do not sort
             pass
-        return {"items": len(members), "bytes": sum(len(view) for view, _ in held),
+        return {"items": len(members), "bytes": sum(held),
                 "uncached": len(members) - len(held), "classes": classes, "experiences": dict(sorted(experiences.items())),
-                "ranks": [len(buffer) for buffer in batches.rehearsal.buffers]}
+                "ranks": [len(buffer) for buffer in batches.rehearsal.buffers],
+                "region": None if region is None else region.stats()}

@@ -33,7 +33,7 @@ the disk tier served, their bytes and time, and the disk items that failed their
 _CONCURRENT_FIELDS = (_MISSES, _STORAGE_BYTES, _STORAGE_NS, _HITS, _CACHE_BYTES, _WAITS, _WAIT_NS, _STAGED)
 _ELSEWHERE = "in the training process"  # a copy's feed: it stayed with the loader
 _OWN = frozenset(("dataset", "source", "cache", "storage", "counters", "identity", "feed", "peers", "batch_hook",
-                  "overflow"))
+                  "overflow", "exemplars"))
 """The proxy's own attributes; any other is the user's dataset's, read and written through the proxy."""
 
 
@@ -138,6 +138,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.feed = None
         self.batch_hook = None
         self.overflow = None  # the look-ahead's, where the cache cannot hold the dataset (``_fetch.overflow``)
+        self.exemplars = None  # rehearsal members the cache does not hold (``_rehearsal.exemplars``)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -148,7 +149,7 @@ class CachedDataset(torch.utils.data.Dataset):
         """The same fetch path without the feed: what prepares the feed's batches loads through it."""
         unfed = CachedDataset(self.dataset, self.source, self.cache, self.storage, self.counters, self.identity,
                               self.peers)
-        unfed.overflow = self.overflow
+        unfed.overflow, unfed.exemplars = self.overflow, self.exemplars
         return unfed
 
     def __len__(self) -> int:
@@ -172,8 +173,9 @@ class CachedDataset(torch.utils.data.Dataset):
             delattr(self.dataset, name)
 
     def _release(self) -> None:
-        if self.cache is not None:
-            self.cache.close()
+        for shared in (self.cache, self.exemplars):
+            if shared is not None:
+                shared.close()
         release = getattr(self.storage, "release", None)  # the disk tier's (``storage.Storage``)
         if release is not None:
             release()
@@ -252,14 +254,17 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def cached_many(self, indices: list[int], row: np.ndarray, views: bool = False) -> list:
         """The node's cached bytes of each of ``indices`` (``views``: views, not copies) that is current, else
-        None; counted as hits, and as stale if cached but not current."""
-        cache = self.cache
+        None; counted as hits, and as stale if cached but not current. A rehearsal exemplar the cache does not
+        hold is looked for in the exemplar region (``_rehearsal.exemplars``), and counted the same."""
+        cache, exemplars = self.cache, self.exemplars
         if cache is None:
             return [None] * len(indices)
         stamp, raw_key = stamper(self.storage), self.source.raw_key
         raws, hits, hit_bytes, stale = [], 0, 0, 0
         for index, item in zip(indices, cache.views(indices)):
             raw = None
+            if item is None and exemplars is not None:
+                item = exemplars.get(index)
             if item is not None:
                 view, cached = item
                 if stamp is None or stamp(raw_key(index)) == cached:
@@ -292,6 +297,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if cache is not None and (stamp is not None or stamped is None) and worth_memory(self.storage, key):
             if cache.put(index, raw, stamp):
                 in_memory(self.storage, key)
+            elif self.exemplars is not None and self.exemplars.put(index, raw, stamp):
+                return raw  # a rehearsal exemplar the cache has no room for (``_rehearsal.exemplars``)
             elif peers is not None and cache.full:
                 peers.client.hand_off(index, raw, stamp)  # see partitioned NOTE [ Hand-off ]
         return raw

@@ -25,6 +25,7 @@ holds for a pass (``plan_state``, see ``_epochs.resume_state`` NOTE [ Resuming a
 puts them back as they were when it started and draws the same plan again.
 """
 
+import copy
 import math
 
 import torch
@@ -135,6 +136,7 @@ class RehearsalBatches:
         if rehearsal is not None:
             rehearsal.bind(sampler.world)
         self.experience: int | None = None  # the latest pass's
+        self.exemplars = None  # the node's exemplar region, where the cache cannot hold the stream
 
     def __iter__(self):
         self.experience = self.sampler.current().number
@@ -143,30 +145,43 @@ class RehearsalBatches:
             yield from torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
             return
         # every rank's batches side by side (they have as many): each rank's samples go to its buffer
-        ranks = [iter(torch.utils.data.BatchSampler(shard, self.batch_size, self.drop_last))
-                 for shard in self.sampler.shards()]
-        seen = [[] for _ in ranks]
-        batches = [next(batches, None) for batches in ranks]
-        while batches[rank] is not None:
-            following = [next(batches, None) for batches in ranks]  # so a pass's samples go before its last batch
+        steps = list(zip(*(list(torch.utils.data.BatchSampler(shard, self.batch_size, self.drop_last))
+                           for shard in self.sampler.shards())))
+        if self.exemplars is not None:
+            self.exemplars.keep(self._wanted(steps))
+        for step, batches in enumerate(steps):
             replayed = [Replayed(i) for i in rehearsal.replay(rank, self.replays, besides=batches[rank])]
-            for k, batch in enumerate(batches):
-                if rehearsal.admit == "on_sight":
-                    self._offer(k, rehearsal.fresh(batch))
-                else:
-                    seen[k] += batch
-                    if following[rank] is None:
-                        self._offer(k, rehearsal.fresh(seen[k]))
-            yield batches[rank] + replayed
-            batches = following
+            self._offer(rehearsal, steps, step)  # after the replays: a batch replays nothing it brings
+            yield list(batches[rank]) + replayed
 
-    def _offer(self, rank: int, indices: list[int]) -> None:
-        buffer, stream = self.rehearsal.buffers[rank], self.sampler.stream
-        for index in indices:
-            if buffer.policy == "class_balanced":
-                buffer.offer(index, label_group(stream, index))
-            else:
-                buffer.offer(index, stream.locate(index)[0])
+    def _offer(self, rehearsal: Rehearsal, steps: list, step: int) -> list[int]:
+        """Offer ``rehearsal``'s buffers what step ``step`` of the pass offers (see NOTE [ Rehearsal batches ]): each
+        rank's batch's fresh samples, or, at the last step under ``admit="epoch_end"``, its whole pass's; the
+        samples admitted, in their order."""
+        if rehearsal.admit == "on_sight":
+            offers = [(k, rehearsal.fresh(batch)) for k, batch in enumerate(steps[step])]
+        elif step == len(steps) - 1:
+            offers = [(k, rehearsal.fresh([i for batches in steps for i in batches[k]])) for k in range(len(steps[0]))]
+        else:
+            return []
+        admitted, stream = [], self.sampler.stream
+        for k, indices in offers:
+            buffer = rehearsal.buffers[k]
+            for index in indices:
+                group = label_group(stream, index) if buffer.policy == "class_balanced" else stream.locate(index)[0]
+                if buffer.offer(index, group):
+                    admitted.append(index)
+        return admitted
+
+    def _wanted(self, steps: list) -> set[int]:
+        """What the pass may replay or admit: the members now, and those the pass's offers admit (the pass played
+        on a copy of the buffers: the offers follow from their seeds); under ``admit="epoch_end"`` only those still
+        members at its end (the offers come all at once, after the last replays are drawn)."""
+        rehearsal = copy.deepcopy(self.rehearsal)
+        wanted = set(rehearsal.members())
+        admitted = [i for step in range(len(steps)) for i in self._offer(rehearsal, steps, step)]
+        wanted.update(set(admitted) & set(rehearsal.members()) if rehearsal.admit == "epoch_end" else admitted)
+        return wanted
 
     def __len__(self) -> int:
         return len(torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last))

@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from coordl._core.sizes import parse_size_option
 from coordl._rehearsal.buffer import POLICIES, RehearsalBuffer, draw
 
 ADMIT = ("epoch_end", "on_sight")
@@ -25,6 +26,11 @@ class Rehearsal:
             Defaults to ``"epoch_end"``.
         seed: seeds the buffer's draws. Defaults to None: one drawn from torch's global RNG now (so
             ``torch.manual_seed`` before makes the run repeatable).
+        exemplar_bytes: where the node's cache cannot hold the whole stream, the most bytes of shared memory the
+            members it does not hold take in a region of their own (``_rehearsal.exemplars`` NOTE [ Exemplar
+            region ]): a byte count or a size string such as ``"512MiB"``; 0 keeps none (replays of them are
+            read from storage). Defaults to ``"auto"``: room for 2 x capacity items of 1.25 x the stream's mean file
+            size (the members, and those a pass admits while the ones they replace may still be replayed).
 
     One ``Rehearsal`` holds one buffer: hand the same one to a new loader (after ``stream.add``) to keep it.
     Its state is in the loader's ``state_dict()``. Under a ``DistributedSampler`` of W ranks it holds W
@@ -34,7 +40,8 @@ class Rehearsal:
     """
 
     def __init__(self, capacity: int, policy: str = "reservoir", *, per_batch: int | None = None,
-                 ratio: float | None = None, admit: str = "epoch_end", seed: int | None = None):
+                 ratio: float | None = None, admit: str = "epoch_end", seed: int | None = None,
+                 exemplar_bytes: int | str = "auto"):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity should be a positive number of exemplars, but got capacity={capacity!r}")
         if policy not in POLICIES:
@@ -49,6 +56,7 @@ class Rehearsal:
             raise ValueError(f"ratio should be a share of batch_size from 0 to 1, but got ratio={ratio!r}")
         if admit not in ADMIT:
             raise ValueError(f"admit should be one of {ADMIT}, but got admit={admit!r}")
+        self.exemplar_bytes = parse_size_option("exemplar_bytes", exemplar_bytes, allow_zero=True)  # None: auto
         if seed is None:
             seed = int(torch.empty((), dtype=torch.int64).random_().item()) & (2**63 - 1)
         self.capacity, self.policy, self.per_batch, self.ratio, self.admit, self.seed = \

@@ -3,18 +3,20 @@
 import logging
 import os
 
-from coordl._core.sizes import format_bytes
-from coordl._fetch.cached_dataset import CachedDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from coordl._core.sizes import format_bytes
+from coordl._fetch.cached_dataset import CachedDataset
 from coordl._rehearsal.batches import DistributedExperienceSampler, ExperienceSampler, RehearsalBatches, check_labels
+from coordl._rehearsal.exemplars import PAGE, ExemplarRegion, pages_for, region_name
 from coordl._rehearsal.options import Rehearsal
 from coordl._rehearsal.stream import ExperienceStream
+from coordl.exceptions import ShmCapacityError
 
 logger = logging.getLogger(__name__)
 
 SIZE_SAMPLES = 64
-"""How many of the stream's files are stat'ed to estimate an exemplar's size (see :func:`check_room`)."""
+"""How many of the stream's files are stat'ed to estimate an exemplar's size (see :func:`exemplar_region`)."""
 
 
 def stream_of(dataset) -> ExperienceStream | None:
@@ -61,25 +63,38 @@ def stream_batches(batch_sampler, rehearsal) -> RehearsalBatches | None:
     return RehearsalBatches(sampler, batch_sampler.batch_size, batch_sampler.drop_last, rehearsal)
 
 
-def check_room(rehearsal: Rehearsal | None, stream: ExperienceStream, wrapped) -> None:
-    """ValueError if ``rehearsal``'s capacity, at the stream's mean file size (estimated from
-    :data:`SIZE_SAMPLES` files), is more than the node's cache of ``wrapped`` can hold."""
+def exemplar_region(rehearsal: Rehearsal | None, stream: ExperienceStream, wrapped, plan) -> ExemplarRegion | None:
+    """The node's exemplar region for ``rehearsal``'s members the cache of ``wrapped`` will not hold (see
+    ``_rehearsal.exemplars`` NOTE [ Exemplar region ]), made now and handed to the fetch path and to ``plan`` (the
+    loader's :class:`RehearsalBatches`); None where the cache holds the whole stream (its size estimated from
+    :data:`SIZE_SAMPLES` files), the stream's files are not local, or ``exemplar_bytes=0``. ValueError, naming the
+    capacity, if shared memory has no room for it."""
     cache, source = getattr(wrapped, "cache", None), getattr(wrapped, "source", None)
-    if rehearsal is None or cache is None or source is None or not len(source):
-        return
+    if rehearsal is None or plan is None or cache is None or source is None or not len(source) or \
+            rehearsal.exemplar_bytes == 0:
+        return None
     n = len(source)
     sizes = []
     for i in sorted({k * (n - 1) // max(SIZE_SAMPLES - 1, 1) for k in range(min(SIZE_SAMPLES, n))}):
         try:
             sizes.append(os.stat(source.raw_key(i)).st_size)
         except (OSError, TypeError, ValueError):  # not a local file (an object's key): nothing to estimate from
-            return
-    need = rehearsal.capacity * sum(sizes) // len(sizes)
+            return None
+    mean = sum(sizes) / len(sizes)
     room = cache.capacity_bytes
-    logger.info("rehearsal: %d exemplars of about %s each need about %s of the cache's %s", rehearsal.capacity,
-                format_bytes(need // rehearsal.capacity), format_bytes(need), format_bytes(room))
-    if need > room:
-        raise ValueError(f"rehearsal capacity={rehearsal.capacity} exemplars of about "
-                         f"{format_bytes(need // rehearsal.capacity)} each (the stream's files) need about "
-                         f"{format_bytes(need)}, more than the cache's {format_bytes(room)} in shared memory: lower "
-                         f"capacity or raise cache_bytes")
+    if mean * n <= room:
+        return None  # every member is a cache hit
+    bound = rehearsal.exemplar_bytes
+    if bound is None:
+        bound = 2 * min(rehearsal.capacity, n) * pages_for(int(1.25 * mean)) * PAGE  # the members and a pass's admissions
+    region = ExemplarRegion(region_name(cache.name, rehearsal.seed, len(rehearsal.buffers)), n, pages_for(bound))
+    try:
+        region.stats()  # made (or attached) now: no room is an error at construction
+    except ShmCapacityError as e:
+        raise ValueError(f"rehearsal capacity={rehearsal.capacity} exemplars of about {format_bytes(int(mean))} each "
+                         f"(the stream's files): {e}") from e
+    logger.info("rehearsal: the cache's %s cannot hold the stream's about %s; up to %s of exemplars it does not hold "
+                "go in %s", format_bytes(room), format_bytes(int(mean * n)), format_bytes(region.bound_bytes),
+                region.name)
+    wrapped.exemplars = plan.exemplars = region
+    return region

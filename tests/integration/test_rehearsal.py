@@ -153,15 +153,89 @@ def test_the_dali_backend_prepares_each_batch_s_new_and_replayed_samples(tmp_pat
         assert loader.stats().epochs[-1].replayed == 20
 
 
-def test_a_buffer_whose_exemplars_would_not_fit_in_the_cache_is_refused_at_construction(tmp_path):
+def _byte_stream(roots, **options) -> tuple[coordl.ExperienceStream, list[int]]:
+    """Each folder's files an experience of raw bytes, each sample's target its number in the stream; and each
+    file's crc32."""
+    parts, crcs = [], []
+    for root in roots:
+        files = sorted(os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names)
+        parts.append(coordl.FileDataset(files, targets=list(range(len(crcs), len(crcs) + len(files))), decode="bytes"))
+        crcs += [zlib.crc32(open(path, "rb").read()) for path in files]
+    return coordl.ExperienceStream(parts, **options), crcs
+
+
+@pytest.mark.parametrize("exemplar_bytes", ["auto", 0])
+def test_exemplars_the_full_cache_cannot_hold_are_kept_in_their_own_region_and_replays_read_no_storage(
+        tmp_path, exemplar_bytes):
+    roots = _experience_folders(tmp_path)
+    stream, crcs = _byte_stream(roots, tagged=True)
+    first = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(roots[0]) for f in names)
+    rehearsal = coordl.Rehearsal(24, "experience_balanced", per_batch=4, seed=0, exemplar_bytes=exemplar_bytes)
+    with coordl.DataLoader(stream, batch_size=8, shuffle=True, num_workers=2, cache_bytes=first,
+                           rehearsal=rehearsal, collate_fn=lambda batch: batch) as loader:
+        for experience in stream:
+            for _ in range(2):
+                for batch in loader:
+                    assert all(zlib.crc32(raw) == crcs[i] for raw, i, _, _ in batch)  # each sample's own bytes
+            members = rehearsal.members()
+        stats = loader.stats()
+    held = stats.rehearsal
+    misses = [e.misses for e in stats.epochs]
+    assert [e.replayed for e in stats.epochs] == [0, 20, 20, 20, 20, 20]
+    outside = [i for i in members if i >= 40]  # the cache holds experience 0 alone
+    assert sorted(held["experiences"].items()) == [(0, 8), (1, 8), (2, 8)] and len(outside) == 16
+    if exemplar_bytes == 0:  # the check can fail: replays of later experiences' exemplars are storage reads
+        assert held["region"] is None and held["uncached"] == 16
+        assert misses[:3] == [40, 0, 40] and all(m > 40 for m in misses[3:])
+        return
+    # the new samples the cache and the region do not hold, no replay: experience 1 left 12 members, 2 left 8
+    assert misses == [40, 0, 40, 40 - 12, 40, 40 - 8]
+    region = held["region"]
+    assert region["items"] == 16 and held["uncached"] == 0 and region["refused"] == 0  # members the cache lacks
+    assert region["bytes"] == sum(os.path.getsize(stream.experience(1 + (i >= 80)).dataset.files[i % 40])
+                                  for i in outside) <= region["bound"]
+    assert coordl._core.shm.list_segments("exemplars") == []  # gone with the loader
+
+
+def test_a_buffer_whose_exemplars_would_not_fit_in_shared_memory_is_refused_at_construction(tmp_path):
     files = []
     for i in range(20):
         files.append(str(tmp_path / f"{i}.bin"))
         with open(files[-1], "wb") as f:
             f.write(os.urandom(50_000))
     stream = coordl.ExperienceStream([coordl.FileDataset(files, targets=[i % 2 for i in range(20)], decode="bytes")])
-    with pytest.raises(ValueError, match=r"capacity=100 exemplars of about 48\.8 KiB each .* need about 4\.8 MiB, "
-                                         r"more than the cache's 1\.0 MiB"):
-        coordl.DataLoader(stream, batch_size=4, cache_bytes="1MiB", rehearsal=coordl.Rehearsal(100, per_batch=2))
-    with coordl.DataLoader(stream, batch_size=4, cache_bytes="8MiB", rehearsal=coordl.Rehearsal(100, per_batch=2)):
-        pass
+    with pytest.raises(ValueError, match=r"capacity=100 exemplars of about 48\.8 KiB each .* exemplar region of "
+                                         r"4\.0 TiB .* lower the Rehearsal's capacity or exemplar_bytes"):
+        coordl.DataLoader(stream, batch_size=4, cache_bytes="512KiB",
+                          rehearsal=coordl.Rehearsal(100, per_batch=2, exemplar_bytes="4TiB"))
+    with coordl.DataLoader(stream, batch_size=4, cache_bytes="512KiB", rehearsal=coordl.Rehearsal(100, per_batch=2)):
+        assert len(coordl._core.shm.list_segments("exemplars")) == 1  # the stream's 20 fit beside the cache
+
+
+def test_ranks_on_one_node_share_one_exemplar_region_and_replay_each_other_s_exemplars_from_it(tmp_path):
+    roots = _experience_folders(tmp_path)[:2]
+    stream, crcs = _byte_stream(roots, tagged=True)
+    first = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(roots[0]) for f in names)
+    rehearsal = [coordl.Rehearsal(12, "experience_balanced", per_batch=4, seed=5) for _ in range(2)]  # one per rank
+    samplers = [torch.utils.data.distributed.DistributedSampler(stream, num_replicas=2, rank=r, seed=1) for r in range(2)]
+    loaders = [coordl.DataLoader(stream, batch_size=8, sampler=samplers[r], cache_bytes=first, rehearsal=rehearsal[r],
+                                 collate_fn=lambda batch: batch) for r in range(2)]
+    try:
+        assert len(coordl._core.shm.list_segments("exemplars")) == 1
+        misses = []
+        for experience in stream:
+            for epoch in range(2):
+                for rank in range(2):
+                    samplers[rank].set_epoch(epoch)
+                    for batch in loaders[rank]:
+                        assert all(zlib.crc32(raw) == crcs[i] for raw, i, _, _ in batch)
+                misses.append(sum(loader.stats().epochs[-1].misses for loader in loaders))
+        assert rehearsal[0].members() == rehearsal[1].members()
+        members = rehearsal[0].members()
+        assert sum(i >= 40 for i in members) == 6  # experience 1's half of the buffers, held by the region
+        assert misses == [40, 0, 40, 40 - 6]  # no replay read storage, whichever rank's buffer it came from
+        assert all(loader.stats().rehearsal["uncached"] == 0 for loader in loaders)
+    finally:
+        for loader in loaders:
+            loader.close()
+    assert coordl._core.shm.list_segments("exemplars") == []
