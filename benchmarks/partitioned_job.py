@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--locality", action="store_true", help="locality_aware=True")
     parser.add_argument("--idle-after", default=None, help="NODE:EPOCHS: that server's ranks stop iterating after "
                         "EPOCHS epochs and keep their loader until rank 0 has iterated all of its epochs")
+    parser.add_argument("--cache-dir", default=None, help="a disk tier for each server, in DIR/node<N>")
     parser.add_argument("--lag", action="append", default=[], help="NODE[.LOCAL_RANK]:SECONDS: that server's "
                         "ranks (or that one) start their last epoch SECONDS late; repeatable")
     args = parser.parse_args()
@@ -118,7 +119,8 @@ def main() -> None:
         dist.init_process_group("gloo")
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                                cache_bytes=cache_bytes, partitioned=partitioned, backend=args.backend,
-                               locality_aware=args.locality)
+                               locality_aware=args.locality,
+                               cache_dir=os.path.join(args.cache_dir, f"node{node}") if args.cache_dir else None)
     peers = loader.dataset.peers
     if args.sync and not dist.is_initialized():
         dist.init_process_group("gloo")

@@ -18,7 +18,8 @@ nothing is evicted (MinIO's policy: fill once); an item
 already held with its stamp is not written again. Pages read or written are dropped from the page cache:
 memory is the shm tier's. Between datasets, the least recently used one no live process has open is
 removed when the quota is short (``_disk.folder``). A full quota stops the writes; an OSError (ENOSPC,
-EIO) turns the tier off, with one warning, and loading goes on from storage.
+EIO) turns the tier off, with one warning, and loading goes on from storage. In a partitioned job a server's
+peers are served from its disk as from its memory cache (:meth:`DiskTier.held_mask`, :meth:`DiskTier.peek`).
 
 Counts go into the dataset's counter rows (``disk_hits``, ``disk_bytes``, ``corrupt``, ``disk_wait_ns``);
 a disk hit is also counted by its caller as a read below the memory cache, so the rows' totals take disk
@@ -34,8 +35,10 @@ import queue
 import threading
 import time
 
+import numpy as np
 import torch
 
+from coordl._disk import format as fmt
 from coordl._disk.cache import CORRUPT, DiskCache
 from coordl._disk.folder import room_for
 from coordl._fetch.cached_dataset import COUNTER_FIELDS
@@ -94,6 +97,7 @@ class DiskTier:
         self._short_until, self._was_short = 0.0, False
         self._writer = None
         self._off = self.off.numpy()
+        self._digests = None  # the dataset's keys' digests (``held_mask``), made once
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -145,15 +149,22 @@ class DiskTier:
             served = self._served.pop(key, False) is None
         return not served or not self._short()
 
-    def _from_disk(self, key: str, current):
-        started = time.perf_counter_ns()
+    def _held_copy(self, key: str, current):
+        """``key``'s bytes as the disk cache holds them with the stamp ``current``, checked: the bytes, CORRUPT, or
+        None (not held so, or the tier turned off by a failed read)."""
         try:
             record = self.cache.record(key)
             if record is None or tuple(int(v) for v in record["stamp"]) != current:
                 return None
-            data = self.cache.read(key, record)
+            return self.cache.read(key, record)
         except OSError as e:
             self._turn_off(e)
+            return None
+
+    def _from_disk(self, key: str, current):
+        started = time.perf_counter_ns()
+        data = self._held_copy(key, current)
+        if data is None:
             return None
         if data is not CORRUPT:
             with self._lock:
@@ -172,6 +183,32 @@ class DiskTier:
             row[nbytes] += len(data)
             row[wait] += time.perf_counter_ns() - started
         return bytes(data)
+
+    # -- for the peers of a partitioned job (``_peer``: a server serves its disk tier as its memory cache) -----
+
+    def held_mask(self, source):
+        """Which of ``source``'s items the disk cache holds (by their records), or None while the tier is off."""
+        self._local()
+        if self._off[0]:
+            return None
+        if self._digests is None:
+            self._digests = np.fromiter((fmt.key_digest(source.raw_key(i)) for i in range(len(source))),
+                                        dtype=np.uint64, count=len(source))
+        try:
+            return self.cache.held_mask(self._digests)
+        except OSError as e:
+            self._turn_off(e)
+            return None
+
+    def peek(self, key: str):
+        """``key``'s bytes and stamp (None: unstamped) where the disk cache holds them current and whole, else None;
+        counted nowhere (a peer server's lookup: its client counts a peer hit)."""
+        self._local()
+        current = None if self._off[0] else self._stamp_now(key)
+        data = None if current is None else self._held_copy(key, current)
+        if data is None or data is CORRUPT:
+            return None
+        return bytes(data), (None if current is UNSTAMPED else current)
 
     def read_past_disk(self, key: str, wait: bool = False):
         """``key``'s bytes and stamp from storage, queued to be written to the disk cache (``wait``: for room

@@ -213,7 +213,9 @@ class CachedDataset(torch.utils.data.Dataset):
         pending = None
         if self.peers is not None:
             started = time.perf_counter_ns()
-            pending = self.peers.client.request([indices[k] for k in misses])
+            local = getattr(self.storage, "holds", None)  # a disk tier: what it holds is read here, not asked for
+            pending = self.peers.client.request([indices[k] for k in misses
+                                                 if local is None or not local(self.source.raw_key(indices[k]))])
             row[_PEER_NS] += time.perf_counter_ns() - started
         asked = pending.asked if pending is not None else ()
         try:

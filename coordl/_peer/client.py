@@ -4,21 +4,21 @@ of what a full cache cannot take (``_peer.handoff`` NOTE [ Hand-off ]), and this
 the peers. The ownership map it routes by is the training process's (``_peer.tier`` NOTE [ Ownership ]).
 
 NOTE [ Peer read path ]
-In a worker, ``CachedDataset`` looks up a minibatch in the local cache, then sends one request per
-owning peer for the batch's remaining misses (all sent before any reply is read), reads the misses no
-peer holds from storage meanwhile, then collects the replies, and reads from storage whatever a peer
-did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight, so requests for
-later batches of the plan are out while the training loop consumes earlier ones. Each thread keeps its
-connection to a peer between batches; one the peer closed meanwhile (idle, ``_peer.server`` NOTE [ Peer
-server limits ]) is reopened, also one closed as the requests went out (they go again, once, before any
-reply). A peer that refuses the connection, breaks the protocol, or does not deliver a whole reply
-within ``COORDL_PEER_TIMEOUT_S`` (default 1 s) plus its bytes at ``wire.MIN_RATE`` (a slow link) is
-marked down for the rest of the epoch in shared memory (so the rank's other workers skip it at
-once), logged once, and its items come from storage; every epoch start tries it again. A delivered
-item whose stamp is not this server's file's (where the peer reads the same storage) comes from
-storage too. An item read from storage because its owner did not deliver it is not cached here, even
-with room: its copy is the owner's while the map names it (a server gone from the next map owns
-nothing, and its items are then cached where they are read).
+In a worker, ``CachedDataset`` looks up a minibatch in the local cache, then sends one request per owning
+peer for the batch's remaining misses but those its own disk tier holds (all sent before any reply is
+read), reads the misses no peer holds from storage meanwhile, then collects the replies, and reads from
+storage whatever a peer did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight,
+so requests for later batches of the plan are out while the training loop consumes earlier ones. Each
+thread keeps its connection to a peer between batches; one the peer closed meanwhile (idle,
+``_peer.server`` NOTE [ Peer server limits ]) is reopened, also one closed as the requests went out (they
+go again, once, before any reply). A peer that refuses the connection, breaks the protocol, or does not
+deliver a whole reply within ``COORDL_PEER_TIMEOUT_S`` (default 1 s) plus its bytes at ``wire.MIN_RATE``
+(a slow link) is marked down for the rest of the epoch in shared memory (so the rank's other workers skip
+it at once), logged once, and its items come from storage; every epoch start tries it again. A delivered
+item whose stamp is not this server's file's (where the peer reads the same storage) comes from storage
+too. An item read from storage because its owner did not deliver it is not cached here, even with room:
+its copy is the owner's while the map names it (a server gone from the next map owns nothing, and its
+items are then cached where they are read).
 """
 
 import logging

@@ -223,11 +223,14 @@ def copy_sample(storage, source) -> bytes:
 def cache_lookup(cache, source, storage):
     """``lookup`` serving ``cache``'s items, with their stamps, as a local hit is served: with a storage
     that stamps its files, only while the item's file still has the stamp it was cached with
-    (``storage.is_current``)."""
+    (``storage.is_current``); and, where ``storage`` is a disk tier, the items it holds current and whole
+    (``_disk.tier.DiskTier.peek``), so a server's peers are served from its memory and disk alike."""
+    peek = getattr(storage, "peek", None)
+
     def lookup(index: int):
         raw = cache.view(index)  # no copy: the reply is joined from it
         if raw is None:
-            return None
+            return None if peek is None else peek(source.raw_key(index))
         stamp = cache.stamp(index)
         return (raw, stamp) if is_current(storage, source.raw_key(index), stamp) else None
     return lookup

@@ -14,6 +14,8 @@ the same for every server's copy of the dataset, and ``<k>`` counts this process
     hand-offs, NOTE [ Hand-off ]) are in;
   * each node's local rank 0 waits for the ranks of every server that is up, then sets
     ``e<epoch>/map/<node>``: whether its cache is frozen, and zlib of its cache's ready bitmap (1 bit per item);
+    with a disk tier (``cache_dir=``), of what its memory cache or its disk holds, frozen once neither takes
+    more (its server serves both: ``_peer.server.cache_lookup``);
   * every rank reads every node's map and computes ``owner[i]`` = the lowest node holding item ``i``
     (-1: no node), identical on every rank. It lives in shared memory (:class:`PeerState`) that the
     rank's DataLoader workers read.
@@ -143,6 +145,7 @@ class PeerTier:
         self.client = PeerClient(topology, self.state, self.secret, self.binding, self.storage_id, self.sample,
                                  self.timeout_s)
         self._cache, self._server = cache, None
+        self._source, self._disk = source, storage if callable(getattr(storage, "held_mask", None)) else None
         self._maps_known = 0  # the last epoch begun
         self._absent: set[int] = set()  # servers missing from the last map: not waited for again
         self._said_missing: tuple = ()
@@ -157,7 +160,7 @@ class PeerTier:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_store=None, _server=None, _cache=None)
+        state.update(_store=None, _server=None, _cache=None, _source=None, _disk=None)
         return state
 
     # -- the training process: epoch starts ------------------------------------------------------------
@@ -191,8 +194,7 @@ class PeerTier:
         if t.local_rank == 0:  # the map once every live rank's inserts and hand-offs of the last epoch are in
             waited = [n for n in sorted(up) if n not in self._absent]
             self._wait([f"e{epoch}/ready/{n}/{r}" for n in waited for r in range(t.local_world)], deadline)
-            cache = self._cache
-            store.set(f"e{epoch}/map/{t.node}", encode_map(cache.ready_mask(), cache.full))
+            store.set(f"e{epoch}/map/{t.node}", encode_map(*self._held()))
         maps, frozen = [], []
         for node in range(t.nodes):
             until = 0.0 if node in self._absent else deadline  # 0: look, don't wait
@@ -225,6 +227,15 @@ class PeerTier:
                     int((owner >= 0).sum()), self.n_items, t.nodes, ", ".join(f"server {n}: {c}" for n, c in
                                                                              enumerate(held)),
                     "; the map is final" if final else "")
+
+    def _held(self) -> tuple[np.ndarray, bool]:
+        """This server's map: the items its memory cache or its disk tier holds, and whether neither takes more."""
+        cache, disk = self._cache, self._disk
+        ready, frozen = cache.ready_mask(), cache.full
+        on_disk = None if disk is None else disk.held_mask(self._source)
+        if on_disk is not None:
+            ready, frozen = ready | on_disk, frozen and not disk.takes_writes()
+        return ready, frozen
 
     def wait_for_ranks(self, step: str, timeout_s: float) -> bool:
         """Whether every rank of the job, on every server, has reached ``step`` (called this with it) within

@@ -141,6 +141,25 @@ def test_later_epochs_read_what_no_server_caches(make_cluster, dataset, tmp_path
         assert total + 2 * (total - cached) <= read <= 1.1 * (3 * total - 2 * cached) + 2**20
 
 
+def test_a_servers_peers_are_served_from_its_disk_tier_as_from_its_memory(make_cluster, dataset, tmp_path):
+    """Each server's memory cache holds an eighth of the dataset and its disk tier the rest: the job's aggregate
+    cache is the sum of both tiers on every server, so later epochs read nothing from storage."""
+    root, crcs, sizes, device = dataset
+    total = sum(sizes)
+    cluster = make_cluster(2, device=device)
+    results = _run(cluster, root, str(tmp_path / "out"), epochs=3, cache_bytes=total // 8, nproc=2,
+                   extra=["--cache-dir", str(tmp_path / "disk")])
+    _check_every_sample_once(results, crcs, 3)
+    in_memory = sum({r["node"]: r["cached_bytes"] for r in results}.values())
+    assert in_memory <= total / 4 and _epoch_sum(results, 1, "storage_bytes") == total
+    for epoch in (2, 3):
+        assert _epoch_sum(results, epoch, "storage_bytes") == 0 and _epoch_sum(results, epoch, "misses") == 0
+        served = {field: _epoch_sum(results, epoch, field) for field in ("hits", "disk_hits", "peer_hits")}
+        assert sum(served.values()) == len(sizes) and served["disk_hits"] > 0, served
+        # more than the peers' memory caches hold: the rest came off their disks
+        assert _epoch_sum(results, epoch, "peer_bytes") > in_memory, served
+
+
 def test_what_a_full_cache_cannot_take_is_handed_to_a_peer_with_room(make_cluster, dataset, tmp_path):
     """Server 0's cache holds a quarter of the dataset, server 1's all of it: server 0's overflow of epoch 1
     goes to server 1 as it is read, so no later epoch reads storage (without hand-offs they would read

@@ -233,6 +233,39 @@ def test_a_corrupt_item_is_counted_and_read_from_storage(tmp_path):
     assert again.counted_in.count("corrupt") == 1 and again.counted_in.count("disk_hits") == 0
 
 
+class _Keys:
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def raw_key(self, i):
+        return self.files[i]
+
+
+def test_a_peer_server_sees_and_gets_what_the_disk_holds_current_and_whole_counted_nowhere(tmp_path):
+    files = _storage_with_files(tmp_path)
+    tier = _tier(tmp_path, files)
+    for key in files[:8]:
+        tier.read(key)
+    tier.flush()
+    server = _tier(tmp_path, files)  # the peer server's process
+    assert server.held_mask(_Keys(files)).tolist() == [True] * 8 + [False] * 4
+    raw, stamp = server.peek(files[2])
+    assert raw == open(files[2], "rb").read() and stamp == FileStorage().stamp(files[2])
+    assert server.peek(files[9]) is None
+    with open(files[3], "wb") as f:
+        f.write(b"edited")
+    assert server.peek(files[3]) is None  # a stale copy is not served
+    record = server.cache.record(files[4])
+    with open(tmp_path / "cache" / pack_name(0), "r+b") as f:
+        f.seek(int(record["offset"]) + fmt.item_span(record) - 1)
+        f.write(b"\xff" if open(files[4], "rb").read()[-1:] != b"\xff" else b"\x00")
+    assert server.peek(files[4]) is None  # nor a corrupt one
+    assert sum(server.counted_in.counters.totals().values()) == 0
+
+
 def test_a_failing_disk_turns_the_tier_off_with_one_warning(tmp_path, caplog, monkeypatch):
     files = _storage_with_files(tmp_path)
     tier = _tier(tmp_path, files)
