@@ -491,8 +491,12 @@ class MinIOCache:
         deadline, delay = time.monotonic() + timeout_s, 0.0002
         while True:
             view = self.view(index)
-            if view is not None or not self.in_flight(index) or time.monotonic() >= deadline:
+            if view is not None:
                 return view
+            if not self.in_flight(index):
+                return self.view(index)  # filled between the two looks, or released
+            if time.monotonic() >= deadline:
+                return None
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 

@@ -171,7 +171,7 @@ class _Walk:
         if claim is None:
             if dataset.overflow is None or size is None:
                 return cache.full and dataset.overflow is None
-            if cache.view(index) is not None or cache.in_flight(index):
+            if cache.in_flight(index) or cache.view(index) is not None:  # (in that order: filled between looks)
                 return False
             writes = getattr(storage, "takes_writes", None)
             if writes is not None and writes() and dataset.overflow.asked_before(index, pass_no):

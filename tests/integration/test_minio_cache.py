@@ -293,3 +293,18 @@ def test_a_claim_filled_with_bytes_of_another_size_is_released_and_the_item_stay
         assert not cache.fill(claim, b"z" * 11)
         assert not cache.in_flight(0) and cache.get(0) is None
         assert cache.put(0, b"z" * 10) and cache.get(0) == b"z" * 10
+
+
+def test_a_wait_whose_claim_is_filled_between_its_looks_returns_the_bytes(monkeypatch):
+    """The race forced: the claimer fills the item just after the waiter found it not cached and before it asks
+    whether it is in flight; the wait returns the bytes (not None, which would read the item a second time)."""
+    with MinIOCache(_name(), n_items=2, capacity_bytes=1 << 16, fingerprint=bytes(32)) as cache:
+        claim, in_flight = cache.claim(1, 10), cache.in_flight
+
+        def filled_just_now(index):
+            if claim is not None and cache.view(index) is None:
+                cache.fill(claim, b"w" * 10, (1, 2, 10))
+            return in_flight(index)
+        monkeypatch.setattr(cache, "in_flight", filled_just_now)
+        assert cache.view(1) is None
+        assert bytes(cache.wait(1, timeout_s=_procs.JOIN_TIMEOUT)) == b"w" * 10
