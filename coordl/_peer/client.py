@@ -5,8 +5,8 @@ the peers. The ownership map it routes by is the training process's (``_peer.tie
 
 NOTE [ Peer read path ]
 In a worker, ``CachedDataset`` looks up a minibatch in the local cache, then sends one request per owning
-peer for the batch's remaining misses but those its own disk tier holds (all sent before any reply is
-read), reads the misses no peer holds from storage meanwhile, then collects the replies, and reads from
+peer (or, for a rehearsal member no cache holds, the server whose exemplar region holds it: ``lender``) for
+the batch's remaining misses but those its own disk tier holds (all sent before any reply is read), reads the misses no peer holds from storage meanwhile, then collects the replies, and reads from
 storage whatever a peer did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight,
 so requests for later batches of the plan are out while the training loop consumes earlier ones. Each
 thread keeps its connection to a peer between batches; one the peer closed meanwhile (idle,
@@ -78,12 +78,14 @@ class PeerClient:
         """Send requests for ``indices`` (local misses) to the peers that own them; the returned
         :class:`PendingFetch` says which were asked and collects the replies."""
         pending = PendingFetch(self)
-        if not indices or not self.state.meta[0]:
+        if not indices:
             return pending
-        owner, down, me = self.state.owner, self.state.down, self.topology.node
+        owner, lender, down, me = self.state.owner, self.state.lender, self.state.down, self.topology.node
         by_node: dict[int, list[int]] = {}
         for i in indices:
             node = int(owner[i])
+            if node < 0:
+                node = int(lender[i])  # a rehearsal member no cache holds, in that server's exemplar region
             if node >= 0 and node != me and not down[node]:
                 by_node.setdefault(node, []).append(i)
         for node, ids in by_node.items():

@@ -58,6 +58,10 @@ class ServerProcess:
                                f"{value} (set {HOST_ENV} / {PORT_ENV} to choose where)")
         self.address = (host, value)
 
+    def serve_exemplars(self, region) -> None:
+        """Have the server serve ``region`` (an ``ExemplarRegion``, pickled by name: it attaches there)."""
+        self.control.send(("exemplars", region))
+
     def stop(self) -> None:
         try:
             self.control.send("stop")

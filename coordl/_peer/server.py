@@ -53,25 +53,28 @@ def job_limits(nodes: int, local_world: int, processes: int) -> tuple[int, int]:
 
 
 class ItemDigests:
-    """Each item's ``wire.item_digest``, worked out the first time it is asked for and kept: for a lookup
-    whose bytes for an id never change once it serves them (a cache's: a ready item never changes). Its
-    memory is only that of the pages it writes (32 bytes an item asked for). Threads may ask at once: two
-    that work out the same item write the same bytes."""
+    """Each item's ``wire.item_digest``, worked out the first time it is asked for with a stamp and kept with it:
+    for a lookup whose bytes for an id and stamp never change (a cache's, a disk tier's, an exemplar region's: a
+    file's version has one content). Its memory is only that of the pages it writes (56 bytes an item asked
+    for). Threads may ask at once: two that work out the same item write the same bytes."""
 
     def __init__(self, n_items: int):
         self._digests = np.zeros((n_items, 32), dtype=np.uint8)
+        self._stamps = np.zeros((n_items, 3), dtype=np.int64)
         self._known = np.zeros(n_items, dtype=bool)
 
-    def __call__(self, index: int, data) -> bytes:
-        if self._known[index]:
+    def __call__(self, index: int, data, stamp) -> bytes:
+        stamp = (0, 0, -1) if stamp is None else tuple(stamp)[:3]
+        if self._known[index] and tuple(self._stamps[index].tolist()) == stamp:
             return self._digests[index].tobytes()
         digest = wire.item_digest(data)
-        self._digests[index] = np.frombuffer(digest, dtype=np.uint8)
+        self._known[index] = False
+        self._digests[index], self._stamps[index] = np.frombuffer(digest, dtype=np.uint8), stamp
         self._known[index] = True
         return digest
 
 
-def _hashed(index: int, data) -> bytes:
+def _hashed(index: int, data, stamp) -> bytes:
     return wire.item_digest(data)
 
 
@@ -156,7 +159,7 @@ class PeerServer:
 
     def _found(self, index: int) -> tuple | None:
         found = self.lookup(index)
-        return None if found is None else (*found, self.digests(index, found[0]))
+        return None if found is None else (*found, self.digests(index, *found))
 
     def _unpend(self, source: str) -> None:
         self._pending[source] -= 1
@@ -220,18 +223,23 @@ def copy_sample(storage, source) -> bytes:
     return wire.copy_sample(len(source), size, digest)
 
 
-def cache_lookup(cache, source, storage):
+def cache_lookup(cache, source, storage, exemplars=()):
     """``lookup`` serving ``cache``'s items, with their stamps, as a local hit is served: with a storage
     that stamps its files, only while the item's file still has the stamp it was cached with
-    (``storage.is_current``); and, where ``storage`` is a disk tier, the items it holds current and whole
-    (``_disk.tier.DiskTier.peek``), so a server's peers are served from its memory and disk alike."""
+    (``storage.is_current``); where ``storage`` is a disk tier, the items it holds current and whole
+    (``_disk.tier.DiskTier.peek``), so a server's peers are served from its memory and disk alike; and the
+    rehearsal members the node's exemplar region holds (``exemplars``: a list that holds the region once the
+    loader has made it, ``_rehearsal.exemplars``)."""
     peek = getattr(storage, "peek", None)
 
     def lookup(index: int):
         raw = cache.view(index)  # no copy: the reply is joined from it
-        if raw is None:
+        if raw is not None:
+            stamp = cache.stamp(index)
+        elif exemplars and (held := exemplars[0].get(index)) is not None:
+            raw, stamp = held
+        else:
             return None if peek is None else peek(source.raw_key(index))
-        stamp = cache.stamp(index)
         return (raw, stamp) if is_current(storage, source.raw_key(index), stamp) else None
     return lookup
 
@@ -274,21 +282,32 @@ def serve(cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], bind
           host: str, port: int, control) -> None:
     """The server process: serve ``cache`` on ``host:port`` to the clients of ``binding`` (at most ``limits``:
     :func:`job_limits`), saying ``copy`` (this server's storage id and sample), and keep what they hand it,
-    send ``("port", n)`` on the ``control`` pipe once listening, and exit when the pipe says stop or closes,
-    or the parent dies."""
+    send ``("port", n)`` on the ``control`` pipe once listening, serve the exemplar region the pipe names
+    (``("exemplars", region)``) beside the cache, and exit when the pipe says stop or closes, or the parent dies."""
+    exemplars: list = []
     try:
-        server = PeerServer(cache_lookup(cache, source, storage), cache.n_items, secret, host, port,
+        server = PeerServer(cache_lookup(cache, source, storage, exemplars), cache.n_items, secret, host, port,
                             keeper=CacheKeeper(cache, source, storage), storage_id=copy[0], sample=copy[1],
                             binding=binding, digests=ItemDigests(cache.n_items), max_clients=limits[0],
                             pending_per_source=limits[1]).start()
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return
-    exit_when_orphaned(cache.close)
+    def close_all() -> None:
+        for shared in (cache, *exemplars):
+            shared.close()
+    exit_when_orphaned(close_all)
     control.send(("port", server.address[1]))
     try:
-        control.recv()
+        while (message := control.recv()) != "stop":
+            if message[0] == "exemplars" and not exemplars:
+                try:
+                    message[1].stats()  # attached now, while the loader that made it holds it
+                except (OSError, RuntimeError, MemoryError) as e:
+                    logger.warning("coordl peer server: cannot serve the exemplar region %s: %s", message[1].name, e)
+                    continue
+                exemplars.append(message[1])
     except (EOFError, OSError):
         pass
     server.close()
-    cache.close()
+    close_all()

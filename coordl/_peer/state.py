@@ -9,7 +9,8 @@ PEER_COUNTERS = ("items", "bytes", "requests", "wait_ns", "handed_off", "handed_
 
 
 class PeerState:
-    """What a rank's processes share about the peers: ``owner`` int16[N], ``meta`` (map version, final),
+    """What a rank's processes share about the peers: ``owner`` int16[N], ``lender`` int16[N] (the server whose
+    exemplar region holds a rehearsal member no cache holds: ``_rehearsal.exemplars``), ``meta`` (map version, final),
     ``down`` flags per node (this epoch) and ``warned`` (said so), ``full`` (its cache takes no more), their
     ``addresses``, and per-process, per-node counters (:data:`PEER_COUNTERS`). Torch shared tensors underneath,
     so it travels to DataLoader workers (forked or spawned); each field is a numpy view of its tensor, made
@@ -19,6 +20,7 @@ class PeerState:
     def __init__(self, n_items: int, nodes: int, processes: int):
         self._shared = {
             "owner": torch.full((n_items,), -1, dtype=torch.int16),
+            "lender": torch.full((n_items,), -1, dtype=torch.int16),
             "meta": torch.zeros(2, dtype=torch.int64),
             "down": torch.zeros(nodes, dtype=torch.int32),
             "warned": torch.zeros(nodes, dtype=torch.int32),

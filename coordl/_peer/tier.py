@@ -20,7 +20,8 @@ the same for every server's copy of the dataset, and ``<k>`` counts this process
     (-1: no node), identical on every rank. It lives in shared memory (:class:`PeerState`) that the
     rank's DataLoader workers read.
 The map is final once every item has an owner or every cache is frozen (nothing can change after);
-later epochs exchange nothing. Duplicates are avoided at the source: an item fetched from a peer is
+later epochs exchange nothing. Rehearsal members no cache holds are routed apart, by ``lender`` (each rank
+computes which server's exemplar region holds them: ``_rehearsal.exemplars`` NOTE [ Exemplar region ]). Duplicates are avoided at the source: an item fetched from a peer is
 never inserted in the local cache, so after epoch 1 a cache takes only items no server holds (read from
 storage). Cost per exchange, per rank: reading ``nodes`` maps of at most N/8 bytes before compression;
 at 1.28M items over 64 servers a server's random 1/64 share is a 160 KB bitmap that compresses to 36 KB,
@@ -236,6 +237,27 @@ class PeerTier:
         if on_disk is not None:
             ready, frozen = ready | on_disk, frozen and not disk.takes_writes()
         return ready, frozen
+
+    # -- the training process: a rehearsal's exemplars (``_rehearsal.exemplars`` NOTE [ Exemplar region ]) ---------
+
+    def servers_of(self, buffers: int) -> list[int] | None:
+        """The server of each of ``buffers`` rehearsal buffers, where they are this job's ranks' (rank k's is buffer
+        k, on server k // local_world), else None."""
+        t = self.topology
+        return [k // t.local_world for k in range(buffers)] if buffers == t.world else None
+
+    def serve_exemplars(self, region) -> None:
+        """Have this node's peer server serve ``region`` (an ``ExemplarRegion``) beside its caches."""
+        if self._server is not None:
+            self._server.serve_exemplars(region)
+
+    def lend(self, lenders: dict[int, int]) -> None:
+        """From now on ask server ``lenders[i]`` for a miss of item ``i`` that no cache holds (a member of that
+        server's ranks' buffers: its exemplar region holds it); no other item is lent."""
+        lender = self.state.lender
+        lender[:] = -1
+        if lenders:
+            lender[np.fromiter(lenders.keys(), dtype=np.int64)] = np.fromiter(lenders.values(), dtype=np.int16)
 
     def wait_for_ranks(self, step: str, timeout_s: float) -> bool:
         """Whether every rank of the job, on every server, has reached ``step`` (called this with it) within

@@ -17,8 +17,8 @@ draw over the experience alone (:class:`DistributedExperienceSampler`), and the 
 buffers, buffer k offered rank k's samples. Every rank computes every rank's shares, so every rank holds
 the same W buffers without a byte exchanged, and each draws its r replays uniformly from their union
 (with a generator of its own: ranks replay different exemplars). A replay of a sample another server's cache
-holds is read as any sample is: with partitioned caching, from that server (so a batch makes at most r
-peer fetches for its replays).
+or exemplar region holds is read as any sample is: with partitioned caching, from that server (so a batch
+makes at most r peer fetches for its replays).
 
 The plan depends on the buffers and on which experience is current, so both are part of what a checkpoint
 holds for a pass (``plan_state``, see ``_epochs.resume_state`` NOTE [ Resuming a pass ]): a resumed pass
@@ -137,6 +137,7 @@ class RehearsalBatches:
             rehearsal.bind(sampler.world)
         self.experience: int | None = None  # the latest pass's
         self.exemplars = None  # the node's exemplar region, where the cache cannot hold the stream
+        self.peers = None  # a partitioned job's peer tier: the region holds this server's ranks' members alone
 
     def __iter__(self):
         self.experience = self.sampler.current().number
@@ -148,16 +149,16 @@ class RehearsalBatches:
         steps = list(zip(*(list(torch.utils.data.BatchSampler(shard, self.batch_size, self.drop_last))
                            for shard in self.sampler.shards())))
         if self.exemplars is not None:
-            self.exemplars.keep(self._wanted(steps))
+            self._want(self._wanted(steps))
         for step, batches in enumerate(steps):
             replayed = [Replayed(i) for i in rehearsal.replay(rank, self.replays, besides=batches[rank])]
             self._offer(rehearsal, steps, step)  # after the replays: a batch replays nothing it brings
             yield list(batches[rank]) + replayed
 
-    def _offer(self, rehearsal: Rehearsal, steps: list, step: int) -> list[int]:
+    def _offer(self, rehearsal: Rehearsal, steps: list, step: int) -> list[tuple[int, int]]:
         """Offer ``rehearsal``'s buffers what step ``step`` of the pass offers (see NOTE [ Rehearsal batches ]): each
         rank's batch's fresh samples, or, at the last step under ``admit="epoch_end"``, its whole pass's; the
-        samples admitted, in their order."""
+        samples admitted, (buffer, sample) in their order."""
         if rehearsal.admit == "on_sight":
             offers = [(k, rehearsal.fresh(batch)) for k, batch in enumerate(steps[step])]
         elif step == len(steps) - 1:
@@ -170,18 +171,33 @@ class RehearsalBatches:
             for index in indices:
                 group = label_group(stream, index) if buffer.policy == "class_balanced" else stream.locate(index)[0]
                 if buffer.offer(index, group):
-                    admitted.append(index)
+                    admitted.append((k, index))
         return admitted
 
-    def _wanted(self, steps: list) -> set[int]:
-        """What the pass may replay or admit: the members now, and those the pass's offers admit (the pass played
-        on a copy of the buffers: the offers follow from their seeds); under ``admit="epoch_end"`` only those still
-        members at its end (the offers come all at once, after the last replays are drawn)."""
+    def _wanted(self, steps: list) -> list[set[int]]:
+        """What the pass may replay or admit, buffer by buffer: the members now, and those the pass's offers admit
+        (the pass played on a copy of the buffers: the offers follow from their seeds); under
+        ``admit="epoch_end"`` only those still members at its end (the offers come all at once, after the last
+        replays are drawn)."""
         rehearsal = copy.deepcopy(self.rehearsal)
-        wanted = set(rehearsal.members())
-        admitted = [i for step in range(len(steps)) for i in self._offer(rehearsal, steps, step)]
-        wanted.update(set(admitted) & set(rehearsal.members()) if rehearsal.admit == "epoch_end" else admitted)
+        wanted = [set(buffer.items) for buffer in rehearsal.buffers]
+        for step in range(len(steps)):
+            for k, index in self._offer(rehearsal, steps, step):
+                if rehearsal.admit != "epoch_end" or index in rehearsal.buffers[k]:
+                    wanted[k].add(index)
         return wanted
+
+    def _want(self, wanted: list[set[int]]) -> None:
+        """Have the node's region hold ``wanted`` (:meth:`_wanted`): every buffer's, or, in a partitioned job whose
+        ranks are the buffers', this server's ranks' alone, the others' read from their servers' regions
+        (``_rehearsal.exemplars`` NOTE [ Exemplar region ])."""
+        servers = None if self.peers is None else self.peers.servers_of(len(wanted))
+        if servers is None:
+            self.exemplars.keep(set().union(*wanted))
+            return
+        here = self.peers.topology.node
+        self.exemplars.keep(set().union(*(w for w, node in zip(wanted, servers) if node == here)))
+        self.peers.lend({i: node for w, node in zip(wanted, servers) if node != here for i in w})
 
     def __len__(self) -> int:
         return len(torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last))

@@ -25,6 +25,11 @@ stream, a loader with a ``Rehearsal`` therefore keeps the members it does not ho
     the free list; a reader that sees ``_H_FREES`` change across its copy drops it and reads again. A
     writer killed inside the mutex leaks at most the pages of the item it was writing (the free list's head
     moves just before the item is published).
+  * **Partitioned.** In a partitioned job whose ranks are the buffers' (rank k's is buffer k), a server's
+    region wants its own ranks' buffers alone; the training process lends the others' wanted items to their
+    servers (``PeerTier.lend``), so a miss of one is asked of its server, whose peer server serves its region
+    beside its cache (``_peer.server.cache_lookup``). An exemplar is held once in the job, and another
+    server's replay of it, or read of it as a new sample, is a peer fetch, not a storage read.
   * **Lifecycle.** Every process that maps the region holds a liveness slot; the last one out unlinks it, and
     the next coordl process on the node removes one whose users all died (``_core.shm.reclaim_dead``).
 """

@@ -97,4 +97,7 @@ def exemplar_region(rehearsal: Rehearsal | None, stream: ExperienceStream, wrapp
                 "go in %s", format_bytes(room), format_bytes(int(mean * n)), format_bytes(region.bound_bytes),
                 region.name)
     wrapped.exemplars = plan.exemplars = region
+    plan.peers = getattr(wrapped, "peers", None)
+    if plan.peers is not None:  # its server serves the region to the others (this server's ranks' members)
+        plan.peers.serve_exemplars(region)
     return region

@@ -93,9 +93,9 @@ def test_replaying_an_earlier_experience_reads_nothing_from_its_device(tmp_path)
             assert _sectors_read(disk.loop) - before > 0
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_servers_replay_the_union_of_their_buffers_through_each_other_s_caches(make_cluster, tmp_path):
+def _two_servers(make_cluster, tmp_path, *args) -> tuple[list[dict], list[int]]:
+    """``tests/_rehearsal_job.py`` on two servers of a rank each (``args`` after its folders and output): each
+    rank's report, and every stream sample's crc32."""
     from tests import _rehearsal_job as job
     roots = []
     for number, n in enumerate((64, 192)):
@@ -106,11 +106,19 @@ def test_two_servers_replay_the_union_of_their_buffers_through_each_other_s_cach
     out = str(tmp_path / "out")
     os.makedirs(out)
     cluster = make_cluster(2)
-    cluster.launch_all(job.__file__, [*roots, out], nproc=1, env={"COORDL_PEER_SECRET": "rehearsal-test",
-                                                                  "COORDL_PEER_TIMEOUT_S": "10"})
+    cluster.launch_all(job.__file__, [*roots, out, *map(str, args)], nproc=1,
+                       env={"COORDL_PEER_SECRET": "rehearsal-test", "COORDL_PEER_TIMEOUT_S": "10"})
     assert cluster.wait(240) == [0, 0], "\n".join(cluster.log(n)[-3000:] for n in range(2))
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     cluster.close()
+    return ranks, crcs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_servers_replay_the_union_of_their_buffers_through_each_other_s_caches(make_cluster, tmp_path):
+    from tests import _rehearsal_job as job
+    ranks, crcs = _two_servers(make_cluster, tmp_path)
     assert ranks[0]["members"] == ranks[1]["members"]  # every rank holds every rank's buffer, alike
     union = ranks[0]["members"][0]
     assert len(union) == job.CAPACITY and all(i < 64 for i in union)
@@ -239,3 +247,28 @@ def test_ranks_on_one_node_share_one_exemplar_region_and_replay_each_other_s_exe
         for loader in loaders:
             loader.close()
     assert coordl._core.shm.list_segments("exemplars") == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_servers_whose_caches_hold_nothing_serve_each_other_their_exemplar_regions(make_cluster, tmp_path):
+    """Caches of 1 byte: every exemplar is in its rank's server's exemplar region, and the other server's replays
+    of it (and reads of it as a new sample) are fetched from there. So storage is read exactly for the new samples
+    no region holds, and the peers serve exactly the other buffer's members each epoch asks for."""
+    from tests import _rehearsal_job as job
+    ranks, crcs = _two_servers(make_cluster, tmp_path, 1)
+    assert ranks[0]["buffers"] == ranks[1]["buffers"]
+    asked_of_peers = 0
+    for r, rank in enumerate(ranks):
+        for number, (epoch, stats) in enumerate(zip(rank["epochs"], rank["stats"])):
+            assert all(crcs[i] == c for batch in epoch for i, c in batch)
+            start = rank["buffers"][number - 1] if number else [[], []]  # the buffers as the epoch began
+            mine, theirs = set(start[r]), set(start[1 - r])
+            new = [i for batch in epoch for i, _ in batch[:job.BATCH]]
+            replayed = [i for batch in epoch for i, _ in batch[job.BATCH:]]
+            assert set(replayed) <= mine | theirs
+            assert stats["misses"] == sum(i not in mine | theirs for i in new), (r, number, stats)
+            from_peer = sum(i in theirs for i in new + replayed)
+            assert stats["peer_hits"] == from_peer, (r, number, stats)
+            asked_of_peers += from_peer
+    assert asked_of_peers > 0  # without the regions served, these would be storage reads: the check can fail

@@ -244,7 +244,7 @@ def test_a_cache_s_server_hashes_an_item_once_and_the_client_checks_its_bytes_ag
     finally:
         srv.close()
     wrong = PeerServer(lambda i: (_item(i), None), N_ITEMS, SECRET, "127.0.0.1",
-                       digests=lambda i, data: real(_item(i + 1))).start()
+                       digests=lambda i, data, stamp: real(_item(i + 1))).start()
     try:
         with contextlib.closing(_client(wrong.address)) as conn:
             wire.send_request(conn, [5])
@@ -252,6 +252,15 @@ def test_a_cache_s_server_hashes_an_item_once_and_the_client_checks_its_bytes_ag
                 list(wire.read_reply(conn, [5], time.monotonic() + 2))
     finally:
         wrong.close()
+
+
+def test_an_item_served_with_another_stamp_is_hashed_again():
+    """A file that changed (a disk tier's or an exemplar region's copy of its new version) has other bytes under
+    the same id: the memo is per stamp."""
+    digests = ItemDigests(4)
+    assert digests(1, b"old", (7, 0, 3)) == wire.item_digest(b"old") == digests(1, b"old", (7, 0, 3))
+    assert digests(1, b"new", (8, 0, 3)) == wire.item_digest(b"new")
+    assert digests(2, b"unstamped", None) == wire.item_digest(b"unstamped")
 
 
 def test_a_reply_of_many_items_past_the_sockets_buffers_arrives_whole_and_in_order():
