@@ -23,7 +23,7 @@ from coordl._disk.folder import folder_of
 from coordl._disk.tier import DiskTier, disk_tier
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
 from coordl._fetch.concurrent_misses import reads_concurrently
-from coordl._fetch.raw_datasets import ConcatSource, SubsetSource, dataset_identity, raw_source
+from coordl._fetch.raw_datasets import dataset_identity, raw_source
 from coordl._fetch.storage import FileStorage
 from coordl._peer.tier import PeerTier
 from coordl._peer.topology import resolve as resolve_partitioned
@@ -150,12 +150,14 @@ def disk_quota(cache_dir_bytes) -> int | None:
 
 def storage_of(source):
     """The storage a source's keys are read from, where it names one (``raw_storage``: a dataset in an object
-    store), else None (files). A ``Subset``'s is its dataset's; a ``ConcatDataset``'s parts must share one."""
-    if isinstance(source, (SubsetSource, ConcatSource)):
+    store), else None (files). A ``Subset``'s is its dataset's; a ``ConcatDataset``'s parts, or an
+    ``ExperienceStream``'s experiences, must share one."""
+    if getattr(source, "parts", None) is not None:  # a view of other datasets' samples
         storages = {id(storage): storage for storage in map(storage_of, source.parts)}
         if len(storages) > 1:
-            raise TypeError(f"coordl cannot read a {type(source.dataset).__name__} whose datasets are in different "
-                            f"stores (local files, or other buckets or prefixes): concatenate datasets of one store")
+            raise TypeError(f"coordl cannot read this {type(source.dataset).__name__}: its datasets are in different "
+                            f"stores (local files, or other buckets, prefixes or manifests); make them of one store "
+                            f"(local files, or Subsets of one object-store dataset)")
         return next(iter(storages.values()))
     return getattr(source, "raw_storage", None)
 
@@ -171,7 +173,7 @@ def _cache_label(dataset, source, cache_name: str | None) -> str:
 def _folder(source) -> str:
     """The absolute folder of a source's files: its dataset's ``root``, else its first file's folder; the
     folder its parts share for a ``Subset`` or ``ConcatDataset``; a dataset's URL in an object store."""
-    if isinstance(source, (SubsetSource, ConcatSource)):
+    if getattr(source, "parts", None) is not None:
         folders = [_folder(part) for part in source.parts if len(part)]
         return folders[0] if "://" in folders[0] else os.path.commonpath(folders)
     if getattr(source, "raw_storage", None) is not None:  # a dataset in an object store

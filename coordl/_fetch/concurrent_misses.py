@@ -2,7 +2,8 @@
 it (an object store, whose manifest gives the sizes): claimed in the node's cache, read concurrently, and
 waited for where another reader on the node has them in flight (see minio_cache NOTE [ Claims ]): served
 from the cache then, and counted as hits and as ``waits``. Those the cache has no room for are taken from
-the look-ahead's overflow where it staged them (``_fetch.overflow``), counted ``staged``.
+the look-ahead's overflow where it staged them (``_fetch.overflow``), counted ``staged``, and, where a
+rehearsal exemplar region wants them, put there (``_rehearsal.exemplars``).
 
 Such a storage defines ``size(key) -> int | None`` (None: not to be cached, e.g. changed since it was listed)
 and ``concurrency`` (reads in flight per process) beside
@@ -51,6 +52,7 @@ def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[by
     wait_ns, staged)."""
     misses, storage_bytes, storage_ns, hits, cache_bytes, waits, wait_ns, staged = fields
     cache, storage, source, overflow = dataset.cache, dataset.storage, dataset.source, dataset.overflow
+    exemplars = dataset.exemplars  # rehearsal members the cache has no room for (``_rehearsal.exemplars``)
     keys = [source.raw_key(index) for index in indices]
     out: list = [None] * len(indices)
     claims: dict[int, object] = {}
@@ -84,6 +86,8 @@ def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[by
                     rest.append(k)
                     continue
                 out[k] = taken[0]
+                if exemplars is not None:
+                    exemplars.put(indices[k], taken[0], taken[1])
                 row[staged] += 1
                 if taken[2] > 0.001:  # waited for it to arrive
                     row[waits] += 1
@@ -100,6 +104,8 @@ def read_misses(dataset, indices: list[int], row: np.ndarray, fields) -> list[by
                 cache.release(claim)
             elif claim is not None:
                 in_memory(storage, keys[k])
+            elif exemplars is not None and stamp is not None:
+                exemplars.put(indices[k], raw, stamp)
         row[storage_ns] += time.perf_counter_ns() - started - waited_ns
         row[wait_ns] += waited_ns
         row[misses] += len(to_read)

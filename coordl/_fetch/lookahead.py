@@ -96,7 +96,7 @@ class _Walk:
         self.threads: list[threading.Thread] = []
 
     def follow(self, plan: list[int], ahead) -> None:
-        plan = self.dataset.cache.missing(plan)  # what is cached already takes no thread's turn
+        plan = self._missing(plan)  # what is cached already takes no thread's turn
         with self.changed:
             self.plan, self.cursor, self.ahead = plan, 0, ahead
             self.pass_no += 1
@@ -110,6 +110,11 @@ class _Walk:
             if not self.threads and not self.stopped:
                 for _ in range(min(self.depth, FIRST_THREADS)):
                     self._start_thread()
+
+    def _missing(self, plan: list[int]) -> list[int]:
+        """Those of ``plan`` neither the cache nor a rehearsal's exemplar region holds, in their order."""
+        plan, exemplars = self.dataset.cache.missing(plan), self.dataset.exemplars
+        return plan if exemplars is None else [i for i, size in zip(plan, exemplars.sizes(plan)) if size is None]
 
     def _start_thread(self) -> None:
         thread = threading.Thread(target=self._run, name=f"coordl-lookahead-{len(self.threads)}", daemon=True)
@@ -133,7 +138,7 @@ class _Walk:
                     return self.plan[self.cursor - 1], self.pass_no + (self.cursor > self.boundary)
                 if self.ahead is not None and not self.reading:  # the next pass's first batches, across the
                     ahead, self.ahead = self.ahead, None  # boundary, once this pass's reads are done
-                    self.plan = self.plan + self.dataset.cache.missing(_flat(ahead(max(1, self.depth))))
+                    self.plan = self.plan + self._missing(_flat(ahead(max(1, self.depth))))
                     continue
                 self.changed.wait()
 

@@ -67,19 +67,23 @@ def exemplar_region(rehearsal: Rehearsal | None, stream: ExperienceStream, wrapp
     """The node's exemplar region for ``rehearsal``'s members the cache of ``wrapped`` will not hold (see
     ``_rehearsal.exemplars`` NOTE [ Exemplar region ]), made now and handed to the fetch path and to ``plan`` (the
     loader's :class:`RehearsalBatches`); None where the cache holds the whole stream (its size estimated from
-    :data:`SIZE_SAMPLES` files), the stream's files are not local, or ``exemplar_bytes=0``. ValueError, naming the
-    capacity, if shared memory has no room for it."""
+    :data:`SIZE_SAMPLES` files' or objects' sizes), their sizes are not known, or ``exemplar_bytes=0``. ValueError,
+    naming the capacity, if shared memory has no room for it."""
     cache, source = getattr(wrapped, "cache", None), getattr(wrapped, "source", None)
     if rehearsal is None or plan is None or cache is None or source is None or not len(source) or \
             rehearsal.exemplar_bytes == 0:
         return None
     n = len(source)
+    known = getattr(wrapped.storage, "size", None)  # an object store's: its manifest's, no request
     sizes = []
     for i in sorted({k * (n - 1) // max(SIZE_SAMPLES - 1, 1) for k in range(min(SIZE_SAMPLES, n))}):
         try:
-            sizes.append(os.stat(source.raw_key(i)).st_size)
-        except (OSError, TypeError, ValueError):  # not a local file (an object's key): nothing to estimate from
+            size = known(source.raw_key(i)) if callable(known) else os.stat(source.raw_key(i)).st_size
+        except (OSError, TypeError, ValueError):  # not a local file, nor a store that knows its sizes
             return None
+        if size is None:
+            return None
+        sizes.append(size)
     mean = sum(sizes) / len(sizes)
     room = cache.capacity_bytes
     if mean * n <= room:

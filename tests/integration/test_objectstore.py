@@ -468,3 +468,39 @@ def test_a_disk_tier_over_a_bucket_keeps_the_objects_for_the_next_job_which_gets
     assert sum(gets().values()) == len(first) + filling[1].gets  # no other GET, in either job
     assert [e.gets for e in next_job] == [0, 0] and next_job[0].disk_hits == len(first)
     assert next_job[1].hits > 0 and next_job[1].hits + next_job[1].disk_hits == len(first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exemplar_bytes", ["auto", 0])
+def test_a_stream_over_a_bucket_replays_exemplars_the_full_cache_lacks_from_their_region_with_no_get(
+        bucket, exemplar_bytes):
+    """Two experiences, Subsets of one bucket's dataset; a cache that holds the first alone. Each epoch GETs
+    exactly the new samples neither the cache nor the exemplar region holds, never a replay; without a region
+    the replays of the second experience's members are GETs (so the check can fail). Experiences of two
+    datasets (two manifests) are refused, naming the fix."""
+    server, url = bucket
+    dataset = ObjectImageFolder(url, transform=TINY)
+    half = len(dataset) // 2
+    parts = [torch.utils.data.Subset(dataset, range(half)), torch.utils.data.Subset(dataset, range(half, len(dataset)))]
+    stream = coordl.ExperienceStream(parts, tagged=True)
+    rehearsal = coordl.Rehearsal(16, "experience_balanced", per_batch=4, seed=3, exemplar_bytes=exemplar_bytes)
+    loader = coordl.DataLoader(stream, batch_size=8, shuffle=True, num_workers=2, rehearsal=rehearsal,
+                               cache_bytes=sum(dataset.manifest.sizes[:half]))
+    later = []  # the members from the second experience as each epoch begins
+    for experience in stream:
+        for _ in range(2):
+            later.append([i for i in rehearsal.members() if i >= half])
+            targets = [(int(t), bool(r)) for _, targets, replayed, _ in loader for t, r in zip(targets, replayed)]
+            assert sorted(t for t, r in targets if not r) == sorted(dataset.targets[experience.start:experience.stop])
+    stats, region = loader.stats().epochs, loader.stats().rehearsal["region"]
+    loader.close()
+    gets = [e.gets for e in stats]
+    assert [len(members) for members in later] == [0, 0, 0, 8]  # experience-balanced: 8 of each
+    if exemplar_bytes == 0:
+        assert region is None and gets[3] > half - 8
+    else:  # the last epoch's new samples that are members are hits too
+        assert gets == [half, 0, half, half - 8]
+        assert region["items"] == 8 and region["refused"] == 0
+    with pytest.raises(TypeError, match="its datasets are in different stores.*Subsets of one object-store"):
+        coordl.DataLoader(coordl.ExperienceStream([dataset, ObjectImageFolder(url)]), batch_size=8,
+                          rehearsal=coordl.Rehearsal(4, per_batch=2))
