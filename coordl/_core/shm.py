@@ -101,7 +101,8 @@ def _lock_cmd(fd: int, cmd: int, kind: int, start: int, length: int = 1) -> tupl
     return _FLOCK.unpack(fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)))
 
 
-def _try_lock(fd: int, start: int, length: int = 1) -> bool:
+def try_lock(fd: int, start: int, length: int = 1) -> bool:
+    """Take ``fd``'s open file description's write lock on ``[start, start + length)``; False if another holds it."""
     try:
         _lock_cmd(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, start, length)
         return True
@@ -111,11 +112,12 @@ def _try_lock(fd: int, start: int, length: int = 1) -> bool:
         raise
 
 
-def _unlock(fd: int, start: int, length: int = 1) -> None:
+def unlock_range(fd: int, start: int, length: int = 1) -> None:
+    """Give up ``fd``'s lock on ``[start, start + length)``."""
     _lock_cmd(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, start, length)
 
 
-def _held_in(fd: int, start: int, length: int) -> int | None:
+def held_in(fd: int, start: int, length: int) -> int | None:
     """Start of a lock some other open file description holds in ``[start, start + length)``, or None."""
     kind, _, at, _, _ = _lock_cmd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, start, length)
     return None if kind == fcntl.F_UNLCK else at
@@ -123,7 +125,7 @@ def _held_in(fd: int, start: int, length: int) -> int | None:
 
 def _count_held(fd: int, start: int, length: int) -> list[int]:
     """Every byte in ``[start, start + length)`` locked by another open file description."""
-    if length <= 0 or _held_in(fd, start, length) is None:
+    if length <= 0 or held_in(fd, start, length) is None:
         return []
     if length == 1:
         return [start]
@@ -145,13 +147,13 @@ class Probe:
         return [at - _SLOTS_AT for at in _count_held(self.fd, _SLOTS_AT, MAX_SLOTS)]
 
     def anyone_alive(self) -> bool:
-        return _held_in(self.fd, _SLOTS_AT, MAX_SLOTS) is not None
+        return held_in(self.fd, _SLOTS_AT, MAX_SLOTS) is not None
 
     def slot_alive(self, slot: int) -> bool:
-        return _held_in(self.fd, _SLOTS_AT + slot, 1) is not None
+        return held_in(self.fd, _SLOTS_AT + slot, 1) is not None
 
     def mutex_held(self) -> bool:
-        return _held_in(self.fd, _MUTEX_AT, 1) is not None
+        return held_in(self.fd, _MUTEX_AT, 1) is not None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -374,7 +376,7 @@ class Segment:
             return False
         try:
             started, delay, warned = time.monotonic(), 0.0002, False
-            while not _try_lock(self._lock_fd, _MUTEX_AT):
+            while not try_lock(self._lock_fd, _MUTEX_AT):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     self._thread_lock.release()
@@ -398,7 +400,7 @@ class Segment:
     def unlock(self) -> None:
         if self._holder_info:
             struct.pack_into("qq", self.buf, LOCK_INFO_AT, 0, 0)
-        _unlock(self._lock_fd, _MUTEX_AT)
+        unlock_range(self._lock_fd, _MUTEX_AT)
         self._thread_lock.release()
 
     @contextlib.contextmanager
@@ -416,7 +418,7 @@ class Segment:
         """Take liveness slot ``slot`` for this process; False if a live process holds it."""
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"internal error: slot {slot} out of range")
-        if _try_lock(self._lock_fd, _SLOTS_AT + slot):
+        if try_lock(self._lock_fd, _SLOTS_AT + slot):
             self._slots.add(slot)
             return True
         return False
@@ -443,7 +445,7 @@ class Segment:
 
     def release_slot(self, slot: int) -> None:
         if slot in self._slots and self._lock_fd >= 0:
-            _unlock(self._lock_fd, _SLOTS_AT + slot)
+            unlock_range(self._lock_fd, _SLOTS_AT + slot)
         self._slots.discard(slot)
 
     def slot_alive(self, slot: int) -> bool:

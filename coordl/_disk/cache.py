@@ -196,11 +196,15 @@ class DiskCache:
                 nbytes += int(learnt["data_len"].sum()) - int(records["data_len"][at[known]].sum())
             return items, nbytes
 
+    def catch_up(self) -> None:
+        """Learn now what other writers have committed (a lookup that misses looks at most every ``_CATCH_UP_S``)."""
+        self._ensure()
+        self._catch_up(force=True)
+
     def held_mask(self, digests: np.ndarray) -> np.ndarray:
         """Which of the keys of ``digests`` (:func:`format.key_digest`) have a committed record, with what other
         writers committed so far; their stamps and bytes are checked when read."""
-        self._ensure()
-        self._catch_up(force=True)
+        self.catch_up()
         with self._lock:
             known = np.concatenate([self._records["digest"],
                                     np.fromiter(self._tail, dtype=np.uint64, count=len(self._tail))])

@@ -10,7 +10,9 @@ bytes checked against their checksum: a failed check is counted ``corrupt`` and 
 storage, never served. Every other read goes to storage, and its bytes (with the stamp of that read) are
 queued for this process's writer thread, which appends them in groups (``_disk.cache``); so the disk cache
 holds what the memory cache holds too, and the next job, whose memory cache starts empty, reads storage
-for nothing the disk holds. Where the quota cannot hold the whole dataset (its size estimated from the
+for nothing the disk holds. A read of a key another process on the node is reading into the disk cache
+waits for its write (``_disk.reading`` NOTE [ Reads in flight ]), so jobs that fill one disk cache at once
+read each item from storage once between them. Where the quota cannot hold the whole dataset (its size estimated from the
 items read so far), the items the memory cache took are not written, and the memory cache does not take
 what the disk served (``worth_memory``): each holds what the other does not, and a later epoch reads
 (1 - memory's share - disk's share) of the dataset from storage. Within a dataset
@@ -41,6 +43,7 @@ import torch
 from coordl._disk import format as fmt
 from coordl._disk.cache import CORRUPT, DiskCache
 from coordl._disk.folder import room_for
+from coordl._disk.reading import ReadClaims
 from coordl._fetch.cached_dataset import COUNTER_FIELDS
 
 logger = logging.getLogger(__name__)
@@ -72,12 +75,13 @@ class DiskTier:
     def __init__(self, storage, cache: DiskCache, cache_dir: str, quota: int | None):
         self.inner, self.cache, self.cache_dir, self.quota = storage, cache, cache_dir, quota
         self.off = torch.zeros(2, dtype=torch.uint8).share_memory_()  # [off (error), full (quota)]
+        self.claims = ReadClaims(cache.folder)  # the keys this process reads into it (NOTE [ Reads in flight ])
         self.counted_in = None
         self._pid = None
 
     def __getstate__(self) -> dict:
         """What travels (to workers, or in a pickled loader): the settings, not this process's writer."""
-        return {name: self.__dict__[name] for name in ("inner", "cache", "cache_dir", "quota", "off", "counted_in")} | \
+        return {name: self.__dict__[name] for name in ("inner", "cache", "cache_dir", "quota", "off", "claims", "counted_in")} | \
             {"_pid": None}
 
     def __getattr__(self, name: str):
@@ -123,15 +127,27 @@ class DiskTier:
 
     def _read(self, key: str):
         """``key``'s bytes and stamp: the disk cache's where it holds them current and whole, else storage's
-        (then queued to be written)."""
+        (then queued to be written); where another process on the node is reading them into the disk cache,
+        its write is waited for (``_disk.reading`` NOTE [ Reads in flight ])."""
         self._local()
-        current = None
-        if not self._off[0]:
-            current = self._stamp_now(key)
-            data = self._from_disk(key, current) if current is not None else None
-            if data is not None:
-                return data, (None if current is UNSTAMPED else current)
-        return self.read_past_disk(key)
+        current = None if self._off[0] else self._stamp_now(key)
+        if current is None:
+            return self.read_past_disk(key)
+        data = self._from_disk(key, current)
+        if data is None and not self._off.any():
+            started = time.perf_counter_ns()
+            claimed = self.claims.claim(key)
+            if not claimed:
+                self.claims.wait(key)
+            self.cache.catch_up()  # (claimed too: another's write may have been committed since the look above)
+            data = self._from_disk(key, current, started)
+            if claimed and data is None:
+                return self.read_past_disk(key, claimed=True)
+            if claimed:
+                self.claims.release(key)
+        if data is not None:
+            return data, (None if current is UNSTAMPED else current)
+        return self.read_past_disk(key)  # its reader died, or its bytes went to the memory cache instead
 
     read_stamped = _read
 
@@ -161,8 +177,10 @@ class DiskTier:
             self._turn_off(e)
             return None
 
-    def _from_disk(self, key: str, current):
-        started = time.perf_counter_ns()
+    def _from_disk(self, key: str, current, started: int | None = None):
+        """``key``'s bytes the disk cache holds with the stamp ``current``, counted a disk hit (waited for since
+        ``started``), or None."""
+        started = time.perf_counter_ns() if started is None else started
         data = self._held_copy(key, current)
         if data is None:
             return None
@@ -210,16 +228,22 @@ class DiskTier:
             return None
         return bytes(data), (None if current is UNSTAMPED else current)
 
-    def read_past_disk(self, key: str, wait: bool = False):
+    def read_past_disk(self, key: str, wait: bool = False, claimed: bool = False):
         """``key``'s bytes and stamp from storage, queued to be written to the disk cache (``wait``: for room
-        in the queue, else not written this time when it is full)."""
+        in the queue, else not written this time when it is full); ``claimed``: by this process, which lets go
+        of it once its write is committed, or at once if it is not queued."""
         self._local()
-        if getattr(self.inner, "read_stamped", None) is not None:
-            raw, stamp = self.inner.read_stamped(key)
-        else:
-            raw, stamp = self.inner.read(key), UNSTAMPED
-        if stamp is not None and not self._off.any():
-            self._offer(key, raw, stamp, wait)
+        queued = False
+        try:
+            if getattr(self.inner, "read_stamped", None) is not None:
+                raw, stamp = self.inner.read_stamped(key)
+            else:
+                raw, stamp = self.inner.read(key), UNSTAMPED
+            if stamp is not None and not self._off.any():
+                queued = self._offer(key, raw, stamp, wait)
+        finally:
+            if claimed and not queued:
+                self.claims.release(key)
         return raw, (None if stamp is UNSTAMPED else stamp)
 
     def warm(self, keys, jobs: int, done=None) -> tuple[int, int]:
@@ -240,7 +264,8 @@ class DiskTier:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def _offer(self, key: str, raw: bytes, stamp, wait: bool = False) -> None:
+    def _offer(self, key: str, raw: bytes, stamp, wait: bool = False) -> bool:
+        """Queue ``key``'s bytes for the writer; whether they were (not when the queue is full and not ``wait``)."""
         while True:
             with self._lock:
                 if self._queued + len(raw) <= WRITE_QUEUE_BYTES or not self._queued:
@@ -254,9 +279,10 @@ class DiskTier:
                         multiprocessing.util.Finalize(self, self.flush, exitpriority=20)
                     break
                 if not wait:
-                    return  # written when it is read again
+                    return False  # written when it is read again
             time.sleep(0.002)
         self._queue.put((key, raw, tuple(stamp)))
+        return True
 
     def _write_loop(self) -> None:
         stopping = False
@@ -288,6 +314,8 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._queued -= nbytes
+                for key, _, _ in batch:  # committed, or not to be: whoever waits for them looks again
+                    self.claims.release(key)
 
     def note_in_memory(self, key: str) -> None:
         """The memory cache took ``key``'s bytes just read (``_disk.tier`` NOTE [ Disk tier ]: where the disk

@@ -225,18 +225,23 @@ def test_a_quota_of_half_the_dataset_gives_the_same_disk_hits_every_later_epoch(
 
 
 @pytest.mark.slow
-def test_four_jobs_filling_one_disk_cache_at_once_write_each_item_once(tmp_path, shm_namespace):
+def test_four_jobs_filling_one_disk_cache_at_once_read_and_write_each_item_once(tmp_path, shm_namespace):
+    """Four jobs in their first epoch at once, each in its own order: an item one of them is reading into the
+    disk cache is waited for by the others (NOTE [ Reads in flight ]), so storage is read once for them all."""
     root, cache_dir = str(tmp_path / "data"), str(tmp_path / "disk")
     files = _disk_procs.make_files(root, 200)
     crcs, size = _crcs(files), sum(os.path.getsize(f) for f in files)
     outs = [str(tmp_path / f"job{k}.json") for k in range(4)]
     jobs = [_procs.spawn(_disk_procs.disk_job, root, cache_dir, 2, size // 4, 2, k, outs[k]) for k in range(4)]
     _procs.join_ok(*jobs, timeout=180)
+    first_epochs = []
     for out in outs:
         with open(out) as f:
             result = json.load(f)
         _each_epoch_sees_every_sample_once_with_its_bytes(result, crcs)
         assert result["epochs"][1]["storage_bytes"] == 0 and result["epochs"][1]["corrupt"] == 0
+        first_epochs.append(result["epochs"][0])
+    assert sum(e["storage_bytes"] for e in first_epochs) == size, first_epochs  # each item read once in all
     cache = _opened(cache_dir, len(files))
     records = cache.items()
     with open(os.path.join(cache.folder, "index.log"), "rb") as f:

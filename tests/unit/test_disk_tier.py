@@ -5,6 +5,9 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from coordl._disk.folder import folder_of, list_disk_caches, remove, room_for
 from coordl._disk.tier import DiskTier
 from coordl._fetch.cached_dataset import COUNTER_FIELDS, SampleCounters
 from coordl._fetch.storage import FileStorage
+from tests._signals import FileEvent
 
 
 def _cache(folder, n=100, identity="ds") -> DiskCache:
@@ -361,3 +365,54 @@ def test_what_a_cache_holds_counts_a_key_written_again_once(tmp_path):
     fresh._caught_up_at = 0.0
     fresh.record("/data/absent")
     assert fresh.held() == (5, sum(len(d) for _, d, _ in items[1:]) + 7)
+
+
+class _CountedFiles(FileStorage):
+    def __init__(self):
+        super().__init__()
+        self.reads = mp.get_context("fork").Value("i", 0)
+
+    def read_stamped(self, key):
+        with self.reads.get_lock():
+            self.reads.value += 1
+        return super().read_stamped(key)
+
+
+def _claim_then_fill(tmp_path, files, claimed, go) -> None:
+    """Another job: claim ``files[0]``, say so, and once told, read it and write it to the disk cache."""
+    tier = _tier(tmp_path, files)
+    assert not tier.holds(files[0]) and tier.claims.claim(files[0])
+    claimed.set()
+    go.wait(30)
+    tier.read_past_disk(files[0], claimed=True)
+    tier.flush()
+
+
+@pytest.mark.parametrize("then", ["fill", "die"])
+def test_a_read_another_job_has_in_flight_waits_for_its_write_or_its_death(tmp_path, then):
+    """NOTE [ Reads in flight ], forced: another process claims a key and holds it; here a read of it waits
+    (reading nothing from storage) until that process has written it to the disk cache (then it is a disk hit)
+    or is killed (then it is read here)."""
+    files = _storage_with_files(tmp_path)
+    claimed, go = FileEvent(str(tmp_path)), FileEvent(str(tmp_path))
+    other = mp.get_context("fork").Process(target=_claim_then_fill, args=(tmp_path, files, claimed, go))
+    other.start()
+    try:
+        assert claimed.wait(30), "the other job never claimed"
+        tier = DiskTier(_CountedFiles(), _cache(tmp_path / "cache", n=len(files)), str(tmp_path), None)
+        tier.counted_in = _Counted()
+        got = []
+        reader = threading.Thread(target=lambda: got.append(tier.read_stamped(files[0])[0]))
+        reader.start()
+        time.sleep(0.3)
+        assert reader.is_alive() and tier.inner.reads.value == 0  # waiting, not reading
+        if then == "fill":
+            go.set()
+        else:
+            os.kill(other.pid, signal.SIGKILL)
+        reader.join(10)
+        assert not reader.is_alive() and got == [open(files[0], "rb").read()]
+        assert (tier.inner.reads.value, tier.counted_in.count("disk_hits")) == ((0, 1) if then == "fill" else (1, 0))
+    finally:
+        go.set()
+        other.join(30)
