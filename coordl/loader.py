@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from tqdm.auto import tqdm
 
 from coordl._cache.setup import CACHE_VERIFY, disk_quota, wrap_dataset
+from coordl._disk.tier import VERIFY as DISK_VERIFY
 from coordl._core import hooks, settings
 from coordl._core.keywords import suggest_keywords
 from coordl._core.log import configure_from_env, warn_caller
@@ -103,6 +104,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             such as ``"500GiB"``); the least recently used dataset no live job uses is removed when another
             needs room, and a full quota stops the writes. ``"auto"``: grow while the file system keeps 10%
             free. Defaults to ``"auto"``.
+        cache_dir_verify: how an item read from the disk cache is checked. ``"checksum"``: its bytes against
+            the checksum (xxh3) recorded with it, so a flipped bit is counted ``corrupt`` and read from storage
+            instead; ``"none"``: only its header and key (a crash still never serves a torn item: a record is
+            committed after its bytes are durable). Defaults to ``"checksum"``.
         progress: show a tqdm progress bar per epoch. Defaults to False.
         backend: who decodes and augments. ``"torch"``: the dataset's own code in torch's worker
             processes. ``"dali"``: a DALI pipeline (``dali_pipeline``) fed with the raw bytes from
@@ -171,8 +176,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
                  pin_memory_device="", in_order=True, cache_bytes="auto", cache_name=None, cache_verify="stat",
-                 drop_page_cache=None, storage=None, cache_dir=None, cache_dir_bytes="auto", progress=False,
-                 backend="torch",
+                 drop_page_cache=None, storage=None, cache_dir=None, cache_dir_bytes="auto",
+                 cache_dir_verify="checksum", progress=False, backend="torch",
                  dali_pipeline="image_classification", dali_device="cpu", dali_train=None, hp_group=None,
                  hp_group_size=None, hp_staging_bytes="auto", hp_group_timeout_s=DEFAULT_GROUP_TIMEOUT_S,
                  hp_group_on_mismatch="raise", hp_group_key=None, partitioned="auto", locality_aware=False,
@@ -204,6 +209,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             raise ValueError(f"cache_dir should be a folder's path or None, but got cache_dir={cache_dir!r}")
         if cache_verify not in CACHE_VERIFY:
             raise ValueError(f"cache_verify should be one of {CACHE_VERIFY}, but got cache_verify={cache_verify!r}")
+        if cache_dir_verify not in DISK_VERIFY:
+            raise ValueError(f"cache_dir_verify should be one of {DISK_VERIFY}, but got "
+                             f"cache_dir_verify={cache_dir_verify!r}")
         use_dali = _use_dali(backend, dataset, batch_size, batch_sampler)
         staging_bytes = None
         if hp_group is not None:
@@ -225,7 +233,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _warn_unused_dali_options(dali_pipeline, dali_device, dali_train)
         self.cache_bytes, self.cache_name, self.cache_verify = cache_bytes, cache_name, cache_verify
         self.drop_page_cache, self.storage, self.progress = drop_page_cache, storage, progress
-        self.cache_dir, self.cache_dir_bytes = cache_dir, cache_dir_bytes
+        self.cache_dir, self.cache_dir_bytes, self.cache_dir_verify = cache_dir, cache_dir_bytes, cache_dir_verify
         self.backend, self.dali_pipeline, self.dali_device, self.dali_train = \
             backend, dali_pipeline, dali_device, dali_train
         self.hp_group, self.hp_group_size, self.hp_staging_bytes = hp_group, hp_group_size, hp_staging_bytes
@@ -236,6 +244,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                                cache_verify=cache_verify, drop_page_cache=drop_page_cache, num_workers=num_workers,
                                decode=not use_dali, storage=storage,
                                cache_dir=None if disk_folder is None else os.fspath(disk_folder), cache_dir_bytes=quota,
+                               cache_dir_verify=cache_dir_verify,
                                partitioned=False if hp_group is not None and partitioned == "auto" else partitioned)
         dali = None
         if use_dali:

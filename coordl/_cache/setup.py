@@ -64,7 +64,7 @@ def _warn_once(key, message: str) -> None:
 
 def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache_verify: str,
                  drop_page_cache: bool | None, num_workers: int, decode: bool, storage=None, partitioned=False,
-                 cache_dir: str | None = None, cache_dir_bytes=None):
+                 cache_dir: str | None = None, cache_dir_bytes=None, cache_dir_verify: str = "checksum"):
     """The dataset torch will see: the user's dataset behind coordl's fetch path, or the user's dataset
     itself when coordl cannot cache it (it then loads as with torch, and coordl says so once).
 
@@ -74,8 +74,8 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
         storage: where misses are read from (a ``coordl._fetch.storage.Storage``). Defaults to the dataset's
             own (:func:`storage_of`: an object store's), else local files.
         partitioned: ``partitioned=`` of the loader (see ``partitioned.resolve``).
-        cache_dir, cache_dir_bytes: the disk tier's folder (None: no disk tier) and quota (``cache_dir_bytes=``
-            of the loader, checked: see :func:`open_disk_tier`).
+        cache_dir, cache_dir_bytes, cache_dir_verify: the disk tier's folder (None: no disk tier), quota
+            (``cache_dir_bytes=`` of the loader, checked: see :func:`open_disk_tier`) and check of what it reads.
     """
     identity = peers = None
     if isinstance(dataset, CachedDataset):  # re-created from another coordl loader's attributes
@@ -103,7 +103,8 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     if cache_dir is not None and len(source):
         try:
             storage = open_disk_tier(storage, cache_dir, cache_dir_bytes, scope=cache_name or identity.hex(),
-                                     n_items=len(source), label=_cache_label(dataset, source, cache_name))
+                                     n_items=len(source), label=_cache_label(dataset, source, cache_name),
+                                     verify=cache_dir_verify)
         except BaseException:
             if cache is not None:
                 cache.close()
@@ -123,7 +124,8 @@ def wrap_dataset(dataset, *, capacity: int | None, cache_name: str | None, cache
     return wrapped
 
 
-def open_disk_tier(storage, cache_dir: str, quota: int | None, *, scope: str, n_items: int, label: str) -> DiskTier:
+def open_disk_tier(storage, cache_dir: str, quota: int | None, *, scope: str, n_items: int, label: str,
+                   verify: str = "checksum") -> DiskTier:
     """``storage`` behind the disk cache of the dataset named ``scope`` in ``cache_dir``, opened now (so a
     folder that cannot be made or read fails here, naming it). ``quota``: bytes of ``cache_dir`` the disk
     caches may take (None: ``"auto"``, see ``_disk.folder.room_for``)."""
@@ -137,7 +139,7 @@ def open_disk_tier(storage, cache_dir: str, quota: int | None, *, scope: str, n_
     except OSError as e:
         raise OSError(e.errno, f"coordl cannot use cache_dir={cache_dir!r} for the disk tier: {e.strerror or e} "
                                f"({e.filename or folder})") from e
-    return disk_tier(storage, cache, os.path.abspath(cache_dir), quota)
+    return disk_tier(storage, cache, os.path.abspath(cache_dir), quota, verify)
 
 
 def disk_quota(cache_dir_bytes) -> int | None:

@@ -212,15 +212,16 @@ class DiskCache:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def read(self, key: str, record):
-        """The data of ``key``'s item at ``record``, checked; :data:`CORRUPT` if it fails the check (then no
-        longer found until a newer record replaces it). Raises OSError if the pack cannot be read."""
+    def read(self, key: str, record, verify: bool = True):
+        """The data of ``key``'s item at ``record``, checked (``verify``: its bytes against their checksum too);
+        :data:`CORRUPT` if it fails the check (then no longer found until a newer record replaces it). Raises
+        OSError if the pack cannot be read."""
         fd = self._pack(int(record["pack"]))
         offset, span = int(record["offset"]), fmt.item_span(record)
         blob = os.pread(fd, span, offset)
         if hasattr(os, "posix_fadvise"):  # memory is the shm tier's: the pages go
             os.posix_fadvise(fd, offset, span, os.POSIX_FADV_DONTNEED)
-        data = fmt.item_data(blob, record, key)
+        data = fmt.item_data(blob, record, key, verify)
         if data is None:
             self._bad[int(record["digest"])] = (int(record["pack"]), offset)
             return CORRUPT

@@ -53,9 +53,10 @@ def item_span(record) -> int:
     return ITEM.size + int(record["key_len"]) + int(record["data_len"])
 
 
-def item_data(blob: bytes, record, key: str):
+def item_data(blob: bytes, record, key: str, verify: bool = True):
     """The data of the item ``blob`` (as read at ``record``'s offset) if it is whole and is ``key``'s with the
-    record's checksum, else None (torn, corrupt, or another key's)."""
+    record's checksum (``verify``: its bytes' checksum worked out and compared too), else None (torn, corrupt,
+    or another key's)."""
     if len(blob) < ITEM.size:
         return None
     magic, key_len, data_len, check = ITEM.unpack_from(blob)
@@ -65,7 +66,7 @@ def item_data(blob: bytes, record, key: str):
             or blob[ITEM.size:ITEM.size + key_len] != k):
         return None
     data = memoryview(blob)[ITEM.size + key_len:]
-    return data if checksum(data) == check else None
+    return data if not verify or checksum(data) == check else None
 
 
 def group_bytes(records: np.ndarray) -> bytes:

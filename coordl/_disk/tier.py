@@ -61,6 +61,8 @@ SHORT_S = 1.0
 """How long the writer's and the read path's word on whether the quota is short holds."""
 SETTLE_S = 0.02
 """Where the quota is short, how long the writer waits for the memory cache to say it took an item."""
+VERIFY = ("checksum", "none")
+"""``cache_dir_verify=``: each item read checked against its record's checksum, or only its header and key."""
 UNSTAMPED = (0, 0, 0)
 """The stamp recorded for a storage's bytes where it stamps nothing (its keys name immutable bytes)."""
 _COLUMNS = [COUNTER_FIELDS.index(name) for name in ("disk_hits", "disk_bytes", "corrupt", "disk_wait_ns")]
@@ -72,8 +74,9 @@ class DiskTier:
     ``counted_in`` (the ``CachedDataset`` reading through it, whose table each pass renews), once set.
     Anything else is the storage's."""
 
-    def __init__(self, storage, cache: DiskCache, cache_dir: str, quota: int | None):
+    def __init__(self, storage, cache: DiskCache, cache_dir: str, quota: int | None, verify: str = "checksum"):
         self.inner, self.cache, self.cache_dir, self.quota = storage, cache, cache_dir, quota
+        self.verify = verify == "checksum"
         self.off = torch.zeros(2, dtype=torch.uint8).share_memory_()  # [off (error), full (quota)]
         self.claims = ReadClaims(cache.folder)  # the keys this process reads into it (NOTE [ Reads in flight ])
         self.counted_in = None
@@ -81,7 +84,8 @@ class DiskTier:
 
     def __getstate__(self) -> dict:
         """What travels (to workers, or in a pickled loader): the settings, not this process's writer."""
-        return {name: self.__dict__[name] for name in ("inner", "cache", "cache_dir", "quota", "off", "claims", "counted_in")} | \
+        return {name: self.__dict__[name] for name in ("inner", "cache", "cache_dir", "quota", "verify", "off", "claims",
+                                                                  "counted_in")} | \
             {"_pid": None}
 
     def __getattr__(self, name: str):
@@ -172,7 +176,7 @@ class DiskTier:
             record = self.cache.record(key)
             if record is None or tuple(int(v) for v in record["stamp"]) != current:
                 return None
-            return self.cache.read(key, record)
+            return self.cache.read(key, record, self.verify)
         except OSError as e:
             self._turn_off(e)
             return None
@@ -382,8 +386,8 @@ class UnstampedDiskTier(DiskTier):
     read_stamped = None
 
 
-def disk_tier(storage, cache: DiskCache, cache_dir: str, quota: int | None) -> DiskTier:
+def disk_tier(storage, cache: DiskCache, cache_dir: str, quota: int | None, verify: str = "checksum") -> DiskTier:
     """``storage`` behind the disk cache ``cache``: a :class:`DiskTier`, or, over a storage that stamps nothing,
     an :class:`UnstampedDiskTier`."""
     kind = DiskTier if getattr(storage, "read_stamped", None) is not None else UnstampedDiskTier
-    return kind(storage, cache, cache_dir, quota)
+    return kind(storage, cache, cache_dir, quota, verify)

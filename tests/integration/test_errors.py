@@ -89,6 +89,8 @@ def test_worker_death_is_reported_as_torch_reports_it(image_root):
     (dict(cache_bytes="1.5 b"), ValueError, "but got cache_bytes='1.5 b': '1.5 b' is not a whole number of bytes"),
     (dict(cache_verify="mtime"), ValueError, r"cache_verify should be one of \('stat', 'content'\), but got "
                                              r"cache_verify='mtime'"),
+    (dict(cache_dir_verify="crc"), ValueError, r"cache_dir_verify should be one of \('checksum', 'none'\), but got "
+                                                r"cache_dir_verify='crc'"),
     (dict(cache_name=""), ValueError, "cache_name should be"),
     (dict(locality_aware="yes"), ValueError, "locality_aware should be True or False, but got locality_aware='yes'"),
     (dict(locality_aware=1), ValueError, "locality_aware should be True or False, but got locality_aware=1"),

@@ -229,12 +229,19 @@ def test_a_corrupt_item_is_counted_and_read_from_storage(tmp_path):
     [tier.read(key) for key in files]
     tier.flush()
     record = tier.cache.record(files[5])
+    original = open(files[5], "rb").read()
     with open(tmp_path / "cache" / pack_name(0), "r+b") as f:
         f.seek(int(record["offset"]) + fmt.item_span(record) - 1)
-        f.write(b"\xff" if open(files[5], "rb").read()[-1:] != b"\xff" else b"\x00")
+        f.write(b"\xff" if original[-1:] != b"\xff" else b"\x00")
     again = _tier(tmp_path, files)
-    assert again.read(files[5]) == open(files[5], "rb").read()
+    assert again.read(files[5]) == original
     assert again.counted_in.count("corrupt") == 1 and again.counted_in.count("disk_hits") == 0
+    # cache_dir_verify="none": the item's header and key are checked, its bytes' checksum is not
+    unchecked = DiskTier(FileStorage(), _cache(tmp_path / "cache", n=len(files)), str(tmp_path), None, "none")
+    unchecked.counted_in = _Counted()
+    assert unchecked.read(files[5])[:-1] == original[:-1] and unchecked.read(files[5]) != original
+    assert unchecked.read(files[4]) == open(files[4], "rb").read()
+    assert unchecked.counted_in.count("corrupt") == 0 and unchecked.counted_in.count("disk_hits") == 3
 
 
 class _Keys:
