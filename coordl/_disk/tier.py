@@ -12,10 +12,10 @@ queued for this process's writer thread, which appends them in groups (``_disk.c
 holds what the memory cache holds too, and the next job, whose memory cache starts empty, reads storage
 for nothing the disk holds. A read of a key another process on the node is reading into the disk cache
 waits for its write (``_disk.reading`` NOTE [ Reads in flight ]), so jobs that fill one disk cache at once
-read each item from storage once between them. Where the quota cannot hold the whole dataset (its size estimated from the
-items read so far), the items the memory cache took are not written, and the memory cache does not take
-what the disk served (``worth_memory``): each holds what the other does not, and a later epoch reads
-(1 - memory's share - disk's share) of the dataset from storage. Within a dataset
+read each item from storage once between them. Where the quota cannot hold the whole dataset (its size
+estimated from the items read so far), the items the memory cache took are not written, and the memory
+cache does not take what the disk served (``worth_memory``): each holds what the other does not, and a
+later epoch reads (1 - memory's share - disk's share) of the dataset from storage. Within a dataset
 nothing is evicted (MinIO's policy: fill once); an item
 already held with its stamp is not written again. Pages read or written are dropped from the page cache:
 memory is the shm tier's. Between datasets, the least recently used one no live process has open is
@@ -84,9 +84,8 @@ class DiskTier:
 
     def __getstate__(self) -> dict:
         """What travels (to workers, or in a pickled loader): the settings, not this process's writer."""
-        return {name: self.__dict__[name] for name in ("inner", "cache", "cache_dir", "quota", "verify", "off", "claims",
-                                                                  "counted_in")} | \
-            {"_pid": None}
+        kept = ("inner", "cache", "cache_dir", "quota", "verify", "off", "claims", "counted_in")
+        return {name: self.__dict__[name] for name in kept} | {"_pid": None}
 
     def __getattr__(self, name: str):
         if name.startswith("__") or "inner" not in self.__dict__:

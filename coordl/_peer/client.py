@@ -6,8 +6,9 @@ the peers. The ownership map it routes by is the training process's (``_peer.tie
 NOTE [ Peer read path ]
 In a worker, ``CachedDataset`` looks up a minibatch in the local cache, then sends one request per owning
 peer (or, for a rehearsal member no cache holds, the server whose exemplar region holds it: ``lender``) for
-the batch's remaining misses but those its own disk tier holds (all sent before any reply is read), reads the misses no peer holds from storage meanwhile, then collects the replies, and reads from
-storage whatever a peer did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight,
+the batch's remaining misses but those its own disk tier holds (all sent before any reply is read), reads
+the misses no peer holds from storage meanwhile, then collects the replies, and reads from storage
+whatever a peer did not deliver. torch keeps ``num_workers x prefetch_factor`` batches in flight,
 so requests for later batches of the plan are out while the training loop consumes earlier ones. Each
 thread keeps its connection to a peer between batches; one the peer closed meanwhile (idle,
 ``_peer.server`` NOTE [ Peer server limits ]) is reopened, also one closed as the requests went out (they

@@ -21,9 +21,10 @@ the same for every server's copy of the dataset, and ``<k>`` counts this process
     rank's DataLoader workers read.
 The map is final once every item has an owner or every cache is frozen (nothing can change after);
 later epochs exchange nothing. Rehearsal members no cache holds are routed apart, by ``lender`` (each rank
-computes which server's exemplar region holds them: ``_rehearsal.exemplars`` NOTE [ Exemplar region ]). Duplicates are avoided at the source: an item fetched from a peer is
-never inserted in the local cache, so after epoch 1 a cache takes only items no server holds (read from
-storage). Cost per exchange, per rank: reading ``nodes`` maps of at most N/8 bytes before compression;
+computes which server's exemplar region holds them: ``_rehearsal.exemplars`` NOTE [ Exemplar region ]).
+Duplicates are avoided at the source: an item fetched from a peer is never inserted in the local cache,
+so after epoch 1 a cache takes only items no server holds (read from storage). Cost per exchange, per
+rank: reading ``nodes`` maps of at most N/8 bytes before compression;
 at 1.28M items over 64 servers a server's random 1/64 share is a 160 KB bitmap that compresses to 36 KB,
 so 2.3 MB per rank (1.2 GB served by the store to 512 ranks), once or a few times per run.
 

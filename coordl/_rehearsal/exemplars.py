@@ -15,9 +15,10 @@ stream, a loader with a ``Rehearsal`` therefore keeps the members it does not ho
     now and the samples the pass will admit (``RehearsalBatches`` plays the pass's offers on a copy of the
     buffers; the offers follow from the seeds), and frees every held item no longer wanted (:meth:`keep`).
   * **Filled by the readers.** A worker that read a wanted sample from storage (or took it from an object
-    store's look-ahead overflow), the cache having no room for it, puts its bytes here (:meth:`put`): a new sample about to be admitted, or a member replayed before
-    any process on the node held it (a resumed job). So an exemplar costs its one storage read as a new
-    sample and none as a replay; one the cache holds is never held here too.
+    store's look-ahead overflow), the cache having no room for it, puts its bytes here (:meth:`put`): a new
+    sample about to be admitted, or a member replayed before any process on the node held it (a resumed job).
+    So an exemplar costs its one storage read as a new sample and none as a replay; one the cache holds is
+    never held here too.
   * **Concurrency.** :meth:`put` and :meth:`keep` take the segment's mutex (the copy in too: a sample's
     bytes); a put that finds too few free pages stores nothing (counted in ``refused``), and the replay is
     read from storage. Readers take no lock: an item's pages never change while it is held, and
