@@ -55,7 +55,7 @@ def job_limits(nodes: int, local_world: int, processes: int) -> tuple[int, int]:
 class ItemDigests:
     """Each item's ``wire.item_digest``, worked out the first time it is asked for with a stamp and kept with it:
     for a lookup whose bytes for an id and stamp never change (a cache's, a disk tier's, an exemplar region's: a
-    file's version has one content). Its memory is only that of the pages it writes (56 bytes an item asked
+    file's version has one content). Its memory is only that of the pages it writes (57 bytes an item asked
     for). Threads may ask at once: two that work out the same item write the same bytes."""
 
     def __init__(self, n_items: int):
@@ -293,6 +293,7 @@ def serve(cache, source, storage, secret: bytes, copy: tuple[bytes, bytes], bind
     except OSError as e:
         control.send(("error", f"{type(e).__name__}: {e}"))
         return
+
     def close_all() -> None:
         for shared in (cache, *exemplars):
             shared.close()
