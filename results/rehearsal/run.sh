@@ -3,4 +3,4 @@
 # Run from anywhere; the results land in this folder.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python3 -m benchmarks.rehearsal --out results/rehearsal
+python3 -m benchmarks.rehearsal --reps 5 --out results/rehearsal
