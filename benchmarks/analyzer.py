@@ -159,10 +159,13 @@ def analyze(cleanup, storage, config: dict, args, out_dir: str, bounded: bool = 
 
 def _job_args(config: dict, args) -> list[str]:
     """The job's options for ``config``; its ``step_ms``, ``batch_size`` and ``workload`` where it has them (the
-    held-out grid's rows), else the run's ``--step-ms``, batches of 16 and decoded images."""
+    held-out grid's rows), else the run's ``--step-ms``, batches of 16 and decoded images; with its
+    ``disk_bytes``, a disk tier of that quota in a fresh folder under its ``disk_root`` (each run fills its own)."""
+    disk = ("--cache-dir", os.path.join(config["disk_root"], f"disk-{time.monotonic_ns()}"), "--cache-dir-bytes",
+            config["disk_bytes"]) if config.get("disk_bytes") else ()
     return [str(a) for a in ("--cache-bytes", config["cache_bytes"], "--workers", config["workers"], "--step-ms",
                              config.get("step_ms", args.step_ms), "--backend", args.backend, "--batch-size",
-                             config.get("batch_size", 16), "--workload", config.get("workload", "decode"))]
+                             config.get("batch_size", 16), "--workload", config.get("workload", "decode"), *disk)]
 
 
 def _on_servers(storage, config: dict, work: str, argv_of, where: str, bounded: bool = True,
@@ -230,7 +233,7 @@ def measure_servers(cleanup, storage, config: dict, args, work: str) -> dict:
 def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     """One run of the job as configured: its steady epochs' samples/s, device bytes per epoch, and what its
     workers spent per miss waiting on storage and per sample preparing (to set beside the analysis's L and
-    1/P)."""
+    1/P); the shares of its steady epochs' samples from the memory cache and from the disk tier."""
     group = _cgroup(cleanup, storage, config)
     out = os.path.join(work, f"epochs-{time.monotonic_ns()}.json")
     started = out + ".started"  # the job's loader is built: its memory is bounded and sampled from then on
@@ -240,10 +243,10 @@ def measure(cleanup, storage, config: dict, args, work: str) -> dict:
     with open(out) as f:
         epochs = json.load(f)
     steady = epochs[1:]
-    misses, decoded = (sum(e[k] for e in steady) for k in ("misses", "decoded"))
-    hits = sum(e["hits"] for e in steady)
+    misses, decoded, hits, disk_hits = (sum(e[k] for e in steady) for k in ("misses", "decoded", "hits", "disk_hits"))
     return {"samples_per_s": sum(e["samples"] for e in steady) / sum(e["time_s"] for e in steady),
-            "device_bytes_per_epoch": read / len(epochs), "hit_fraction": hits / max(1, hits + misses),
+            "device_bytes_per_epoch": read / len(epochs), "hit_fraction": hits / max(1, hits + disk_hits + misses),
+            "disk_hit_fraction": disk_hits / max(1, hits + disk_hits + misses),
             "miss_wait_s": sum(e["storage_wait_s"] for e in steady) / misses if misses else None,
             "prep_s_per_sample": sum(e["prep_s"] for e in steady) / decoded if decoded else None, "memory": memory}
 

@@ -2,7 +2,8 @@
 ``coordl.DataLoader`` (random crops, shuffled, persistent workers), a training step of ``--step-ms``.
 
 ``python benchmarks/analyzer_job.py ROOT --cache-bytes B --workers W --epochs E --step-ms S [--batch-size N]
-[--workload decode|bytes] [--backend dali] [--out FILE] [--started FILE]``; ``--workload bytes``: the files' first
+[--workload decode|bytes] [--backend dali] [--cache-dir DIR --cache-dir-bytes B] [--out FILE] [--started FILE]``;
+``--cache-dir``: a disk tier in DIR holding at most B bytes; ``--workload bytes``: the files' first
 :data:`BYTES_SAMPLE` raw bytes as a tensor (a ``coordl.FileDataset``, no decode), where ``decode`` (the default)
 decodes and crops the images;
 writes ``loader.stats()``'s epochs to FILE (JSON) at the end, and creates the ``--started`` file once its loader
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--backend", default="torch")
     parser.add_argument("--workload", choices=("decode", "bytes"), default="decode")
+    parser.add_argument("--cache-dir")
+    parser.add_argument("--cache-dir-bytes", type=int)
     parser.add_argument("--out")
     parser.add_argument("--started")
     args = parser.parse_args()
@@ -59,7 +62,8 @@ def main() -> None:
         sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True)
     loader = coordl.DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
                                num_workers=args.workers, persistent_workers=args.workers > 0,
-                               cache_bytes=args.cache_bytes, backend=args.backend,
+                               cache_bytes=args.cache_bytes, backend=args.backend, cache_dir=args.cache_dir,
+                               cache_dir_bytes="auto" if args.cache_dir_bytes is None else args.cache_dir_bytes,
                                drop_page_cache=True)  # with no cache too: every epoch reads the device
     if args.started:
         open(args.started + (f".rank{os.environ['RANK']}" if ranks > 1 else ""), "w").close()

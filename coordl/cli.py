@@ -274,7 +274,7 @@ def _whatif(args) -> int:
             storage_factor=1.0 if args.storage_mbps is None else args.storage_mbps * mb / pipeline.S,
             R=None if args.peer_mbps is None else args.peer_mbps * mb, lookahead=args.lookahead,
             K=None if args.disk_mbps is None else args.disk_mbps * mb,
-            disk_fraction=None if args.disk is None else args.disk / (pipeline.samples * pipeline.sample_bytes))
+            disk_fraction=None if args.disk is None else args.disk / pipeline.disk_dataset_bytes)
     except (OSError, ValueError) as e:
         print(f"coordl whatif: {e}", file=sys.stderr)
         return 2

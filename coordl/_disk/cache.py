@@ -257,7 +257,7 @@ class DiskCache:
             if not fresh:
                 return 0
             room = None if room is None else room(fmt.ALIGN + sum(  # a block of the index's growth, and the items
-                fmt.aligned(fmt.ITEM.size + len(key.encode()) + len(data)) for key, data, _ in fresh)) - fmt.ALIGN
+                fmt.packed_bytes(key, len(data)) for key, data, _ in fresh)) - fmt.ALIGN
             pack = max(self._known_packs(), default=0)
             end = fmt.aligned(os.fstat(self._pack(pack)).st_size)
             records, writes, written = [], [], 0

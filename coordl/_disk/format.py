@@ -48,6 +48,11 @@ def item_bytes(key: str, data) -> bytes:
     return ITEM.pack(ITEM_MAGIC, len(k), len(data), checksum(data)) + k + bytes(data)
 
 
+def packed_bytes(key: str, data_len: int) -> int:
+    """Bytes an item of ``key`` and ``data_len`` bytes of data takes in its pack, aligned."""
+    return aligned(ITEM.size + len(key.encode()) + data_len)
+
+
 def item_span(record) -> int:
     """Bytes an item of ``record`` takes in its pack, before alignment."""
     return ITEM.size + int(record["key_len"]) + int(record["data_len"])

@@ -10,7 +10,8 @@ where the item will not be written). A process that finds the byte locked waits 
 most ``WAIT_S``), then looks in the disk cache again and reads storage only if the item is not there (its reader
 died, or the memory cache took it instead). Threads of one process share its descriptor, whose locks do not
 exclude each other, so the process also keeps the keys it has claimed. A forked child closes the descriptor it
-inherited, so it never holds its parent's locks (nor keeps them past the parent's death).
+inherited, so it never holds its parent's locks (nor keeps them past the parent's death); the loader's close
+closes its own once its writes are done (``DiskTier.release``).
 """
 
 import errno

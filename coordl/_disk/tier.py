@@ -366,9 +366,10 @@ class DiskTier:
         self._writer = None
 
     def release(self) -> None:
-        """The loader closes: write what this process has queued, then close the disk cache here."""
+        """The loader closes: write what this process has queued, then close the disk cache and its claims here."""
         self.flush()
         self.cache.close()
+        self.claims.close()
 
     def _turn_off(self, error: OSError) -> None:
         first = not self._off[0]

@@ -92,6 +92,7 @@ class Pipeline:
         disk_fraction: ``h``, the share of the dataset the disk tier holds apart from the memory cache once
             filled (1: all of it).
         L_disk: seconds a worker waits for one item from the disk tier.
+        disk_item_bytes: bytes a sample takes in the disk tier, as it packs them (None: ``sample_bytes``).
     """
 
     samples: int
@@ -119,6 +120,7 @@ class Pipeline:
     K: float | None = None
     disk_fraction: float = 0.0
     L_disk: float = 0.0
+    disk_item_bytes: float | None = None
 
     def __post_init__(self):
         for name in ("G", "P", "S", "C", "sample_bytes"):
@@ -159,6 +161,11 @@ class Pipeline:
         if self.peer_share is not None:
             return self.peer_share
         return min(1.0, self.servers * self.cache_fraction) - self.cache_fraction
+
+    @property
+    def disk_dataset_bytes(self) -> float:
+        """Bytes the whole dataset takes in the disk tier (what ``cache_dir_bytes=`` must allow to hold it)."""
+        return self.samples * (self.disk_item_bytes or self.sample_bytes)
 
     @property
     def _from_disk(self) -> float:
@@ -376,7 +383,7 @@ def answers(pipeline: Pipeline, jobs=(2, 4), servers=(2, 4)) -> list[dict]:
     if p.K is not None:
         knee = p.disk_knee()
         out.append({"question": "smallest disk tier that removes the fetch stall", "disk_fraction": knee,
-                    "disk_bytes": None if knee is None else knee * p.samples * p.sample_bytes,
+                    "disk_bytes": None if knee is None else knee * p.disk_dataset_bytes,
                     "samples_per_s": None if knee is None else p.with_changes(disk_fraction=knee).predicted})
     out.append({"question": "storage twice as fast", "storage_factor": 2.0,
                 "samples_per_s": p.with_changes(storage_factor=2.0).predicted})

@@ -31,7 +31,8 @@ script (``SystemExit(0)``, so every loader, worker and cache is released as at a
   With a disk tier (``cache_dir=``), S and L are storage's own (read past the tier, which writes what they
   read), then ``K`` (the subset from the tier's disk, as a worker's misses read it, on as many threads as
   cores, for at least :data:`STORAGE_MIN_S`), ``L_disk`` (one reader's wait for one item from it) and
-  ``disk_fraction`` (what its quota, or the file system's room, lets it hold of the dataset).
+  ``disk_fraction`` (what its quota, or the file system's room, lets it hold of the dataset), each sample
+  taking ``disk_item_bytes`` there (its 4 KiB-aligned item, as the tier packs it).
   Then, where
   coordl.DataLoader's own iterator runs (not an hp_group), ``Q``: the training loop's samples/s over the
   timed window on batches prepared from those items as the loader prepares its own (nothing fetched from
@@ -85,6 +86,7 @@ from coordl._core import hooks, settings
 from coordl._core.settings import ANALYZE_TIME_SCALE_ENV
 from coordl._core.sysinfo import cpu_seconds
 from coordl._disk.folder import room_for
+from coordl._disk.format import packed_bytes
 from coordl._fetch.cached_dataset import CachedDataset, SampleCounters
 from coordl._fetch.concurrent_misses import reads_concurrently
 from coordl._peer.topology import EXCHANGE_ENV
@@ -697,7 +699,8 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
         result["L_cold_fraction"] = None
     result["L_burst"] = burst
     if disk:
-        result.update(_disk_rates(storage, keys, result["sample_bytes"] * len(dataset), cores))
+        result["disk_item_bytes"] = sum(packed_bytes(key, size) for key, size in zip(keys, sizes)) / n
+        result.update(_disk_rates(storage, keys, result["disk_item_bytes"] * len(dataset), cores))
     datas = [r[0] if stamped else r for r in raws]
     cached = []
     if cache is not None:
@@ -732,7 +735,8 @@ def measure_rates(loader, samples: int) -> tuple[dict, torch.utils.data.Dataset 
 def _disk_rates(tier, keys: list, dataset_bytes: float, cores: int) -> dict:
     """The disk tier's ``K`` (samples/s over the keys it holds once their writes are done, on ``cores``
     threads, as a batch's misses are read), ``L_disk`` (one reader's mean wait for one of them) and
-    ``disk_fraction`` (the share of the dataset its quota, or the file system's room, lets it hold; 1: all)."""
+    ``disk_fraction`` (the share of the dataset, ``dataset_bytes`` as the tier packs them, that its quota or
+    the file system's room lets it hold; 1: all)."""
     tier.flush(None)
     cache = tier.cache
     room = cache.pack_bytes() + room_for(tier.cache_dir, cache.folder, int(dataset_bytes), tier.quota, evict=False)

@@ -24,6 +24,7 @@ def to_json(pipeline: Pipeline, measured: float | None = None,
             "rates": {"G": p.G, "P": p.P, "S": p.S, "C": p.C, "R": p.R, "K": p.K},
             "miss_wait_s": p.L,
             "disk_wait_s": p.L_disk,
+            "disk_item_bytes": p.disk_item_bytes,
             "cpu_s_per_sample": {"step": p.step_cpu_s, "prep": p.prep_cpu_s},
             "contention": p.contention,
             "cpu_samples_per_s": None if math.isinf(p.cpu_rate) else p.cpu_rate,
@@ -85,7 +86,7 @@ def load(path: str) -> tuple[Pipeline, float | None]:
                             step_cpu_s=float(cpu.get("step", 0.0)), prep_cpu_s=float(cpu.get("prep", 0.0)),
                             contention=float(doc.get("contention", 1.0)), K=rates.get("K"),
                             disk_fraction=0.0 if disk_bytes is None else min(1.0, disk_bytes / dataset["bytes"]),
-                            L_disk=float(doc.get("disk_wait_s", 0.0)))
+                            L_disk=float(doc.get("disk_wait_s", 0.0)), disk_item_bytes=doc.get("disk_item_bytes"))
     except KeyError as e:
         raise ValueError(f"{path}: {e.args[0]!r} is missing") from None
     except (AttributeError, TypeError, ZeroDivisionError, ValueError) as e:

@@ -229,7 +229,7 @@ def analyze(command: list[str], out_dir: str, *, iters: int = 100, warmup: int =
                         step_cpu_s=results["ingestion"]["loop_cpu_s"], prep_cpu_s=rates["prep_cpu_s"],
                         concurrency=rates.get("concurrency", 0), lookahead=rates.get("lookahead", 0),
                         K=rates.get("K"), disk_fraction=rates.get("disk_fraction", 0.0) if rates.get("K") else 0.0,
-                        L_disk=rates.get("L_disk", 0.0), **shape)
+                        L_disk=rates.get("L_disk", 0.0), disk_item_bytes=rates.get("disk_item_bytes"), **shape)
     if rates.get("Q") is not None:  # Q had nothing to fetch: of what W and G allow with no misses
         alone = pipeline.with_changes(cache_fraction=1.0)
         pipeline = dataclasses.replace(pipeline, contention=min(1.0, rates["Q"] / min(alone.worker_rate, alone.G)))

@@ -362,6 +362,9 @@ def test_the_disk_knee_is_the_least_share_on_disk_that_removes_the_fetch_stall()
     assert Pipeline(**BASE).disk_knee() is None  # no disk rate to answer with
     questions = {a["question"]: a for a in analyzer.answers(p)}
     assert questions["smallest disk tier that removes the fetch stall"]["disk_fraction"] == pytest.approx(knee)
+    packed = {a["question"]: a for a in analyzer.answers(Pipeline(**DISK, disk_item_bytes=2 * p.sample_bytes))}
+    assert packed["smallest disk tier that removes the fetch stall"]["disk_bytes"] == pytest.approx(
+        2 * knee * p.samples * p.sample_bytes)  # the quota to set: the items as the tier packs them
 
 
 def test_a_disk_share_without_a_disk_rate_is_refused_naming_the_option():
@@ -372,13 +375,13 @@ def test_a_disk_share_without_a_disk_rate_is_refused_naming_the_option():
 
 
 def test_an_analysis_with_a_disk_tier_round_trips_and_whatif_answers_for_another_disk(tmp_path, capsys):
-    p = Pipeline(**{**DISK, "disk_fraction": 0.25})
+    p = Pipeline(**{**DISK, "disk_fraction": 0.25, "disk_item_bytes": 1.25 * DISK["sample_bytes"]})
     path = str(tmp_path / "analysis.json")
     analyzer.save(path, p)
     assert analyzer.load(path)[0] == p
     assert "K disk tier" in analyzer.describe(p) and "a disk tier holding" in analyzer.describe(p)
-    assert cli.main(["whatif", path, "--disk", "500MiB"]) == 0
-    expected = p.with_changes(disk_fraction=500 * 2**20 / (p.samples * p.sample_bytes))
+    assert cli.main(["whatif", path, "--disk", "500MiB"]) == 0  # a quota: of the items as the tier packs them
+    expected = p.with_changes(disk_fraction=500 * 2**20 / (p.samples * 1.25 * p.sample_bytes))
     assert f"with the changes: {expected.predicted:.1f} samples/s" in capsys.readouterr().out
     plain = str(tmp_path / "plain.json")
     analyzer.save(plain, Pipeline(**BASE))

@@ -15,6 +15,7 @@ import pytest
 from coordl._disk import format as fmt
 from coordl._disk.cache import CORRUPT, INDEX, DiskCache, DiskCacheMismatch, pack_name
 from coordl._disk.folder import folder_of, list_disk_caches, remove, room_for
+from coordl._disk.reading import READING
 from coordl._disk.tier import DiskTier
 from coordl._fetch.cached_dataset import COUNTER_FIELDS, SampleCounters
 from coordl._fetch.storage import FileStorage
@@ -360,6 +361,34 @@ def test_a_storage_that_stamps_nothing_is_cached_in_memory_and_on_disk(tmp_path)
     (_, first, reads_first), (_, second, reads_second) = runs
     assert reads_first == 20 and (first[1].hits, first[1].misses) == (20, 0)  # memory took them
     assert reads_second == 0 and (second[0].disk_hits, second[0].misses) == (20, 0)  # the disk kept them
+
+
+def _open_in(folder) -> list[str]:
+    """The files under ``folder`` this process holds open."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if path.startswith(str(folder)):
+            paths.append(path)
+    return paths
+
+
+def test_a_closed_loader_holds_no_file_of_its_disk_cache_open(tmp_path):
+    import zlib
+
+    import coordl
+    files = _storage_with_files(tmp_path, n=20)
+    for job in range(2):  # the one that fills the disk cache (claiming what it reads), the next that reads it
+        loader = coordl.DataLoader(coordl.FileDataset(files, decode=zlib.crc32), batch_size=5, cache_bytes=1,
+                                   cache_dir=str(tmp_path / "disk"), collate_fn=list)
+        with loader:
+            assert sorted(x for b in loader for x in b) == sorted(zlib.crc32(open(f, "rb").read()) for f in files)
+            held = _open_in(tmp_path / "disk")
+            assert held and any(path.endswith(READING) for path in held) == (job == 0)
+        assert _open_in(tmp_path / "disk") == []
 
 
 def test_what_a_cache_holds_counts_a_key_written_again_once(tmp_path):
