@@ -17,14 +17,16 @@ epochs). Reported: final accuracy over all 10 classes; then all again without th
 two runs see the same batches bit for bit.
 
 Throughput: a stream of 20 experiences of 3,000 JPEGs (decode, random crop; 6 of 600 with ``--quick``), 3
-epochs each (a few seconds, so that a moment's noise of the machine moves an experience's figure little), 2
-workers, b = 32, no training step; samples/s (new + replayed) with r = b/2 and K = 1000 against the same loader without
-rehearsal, and how each experience's samples/s (the median of the repetitions) moves over the stream: its
-largest gap from their median and the trend of a line fitted through them, beside the same without rehearsal. Writes
+epochs each, 2 workers, b = 32, no training step; samples/s (new + replayed) with r = b/2 and K = 1000 against
+the same loader without rehearsal, the two side by side (each experience's epochs through one, then the
+other). How samples/s moves over the stream: per experience, with rehearsal ÷ without (the machine's speed,
+which on a VM moves by 10-20% over tens of seconds, cancels), the median of the repetitions; their largest gap
+from their median and the trend of a line fitted through them; the same for each loader's own samples/s. Writes
 ``results.json``, ``setup.json`` and ``results.md`` into ``--out``.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -249,29 +251,42 @@ def stream_roots(work: str, experiences: int, images: int) -> list[str]:
     return roots
 
 
-def throughput_run(roots: list[str], rehearsal: bool, args) -> list[dict]:
-    """Per experience: samples (new + replayed), seconds and samples/s of its epochs."""
+def _experience(loader, epochs: int) -> dict:
+    """One experience's ``epochs`` through ``loader``: samples (new + replayed), seconds and samples/s."""
+    done = []
+    for _ in range(epochs):
+        samples, started = 0, time.perf_counter()
+        for x, _ in loader:
+            samples += len(x)
+        done.append((samples, time.perf_counter() - started))
+    samples, seconds = sum(n for n, _ in done), sum(t for _, t in done)
+    later = done[1:]  # every sample a hit of the node's cache
+    return {"samples": samples, "time_s": seconds, "samples_per_s": samples / seconds, "epochs": done,
+            "later_samples_per_s": sum(n for n, _ in later) / sum(t for _, t in later)}
+
+
+def throughput_run(roots: list[str], rep: int, args) -> dict[bool, list[dict]]:
+    """Both loaders, without rehearsal and with it, each over a stream of its own of the same experiences,
+    side by side: experience by experience, each loader's epochs in turn (which goes first alternating), each
+    experience's files dropped from the page cache before either reads them. So at every experience both meet
+    the machine at the same speed, which on a VM moves by 10-20% over tens of seconds. Per loader and
+    experience: see :func:`_experience`."""
     from torchvision.datasets import ImageFolder
-    evict_files(os.path.dirname(roots[0]))
-    stream = coordl.ExperienceStream([ImageFolder(root, transform=CROP_TF) for root in roots])
     per_batch = args.batch_size // 2
-    options = coordl.Rehearsal(1000, per_batch=per_batch, seed=0) if rehearsal else None
-    out = []
-    with coordl.DataLoader(stream, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                           generator=torch.Generator().manual_seed(0), rehearsal=options, persistent_workers=True,
-                           cache_name=f"rehearsal-bench-{os.getpid()}") as loader:
-        for experience in stream:
-            epochs = []
-            for _ in range(args.stream_epochs):
-                samples, started = 0, time.perf_counter()
-                for x, _ in loader:
-                    samples += len(x)
-                epochs.append((samples, time.perf_counter() - started))
-            samples, seconds = sum(n for n, _ in epochs), sum(t for _, t in epochs)
-            later = epochs[1:]  # every sample a hit of the node's cache
-            out.append({"experience": experience.number, "samples": samples, "time_s": seconds,
-                        "samples_per_s": samples / seconds, "epochs": epochs,
-                        "later_samples_per_s": sum(n for n, _ in later) / sum(t for _, t in later)})
+    out: dict[bool, list[dict]] = {False: [], True: []}
+    with contextlib.ExitStack() as stack:
+        streams, loaders = {}, {}
+        for rehearsal in (False, True):
+            streams[rehearsal] = coordl.ExperienceStream([ImageFolder(root, transform=CROP_TF) for root in roots])
+            loaders[rehearsal] = stack.enter_context(coordl.DataLoader(
+                streams[rehearsal], batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                generator=torch.Generator().manual_seed(0), persistent_workers=True,
+                rehearsal=coordl.Rehearsal(1000, per_batch=per_batch, seed=0) if rehearsal else None,
+                cache_name=f"rehearsal-bench-{os.getpid()}-{int(rehearsal)}"))
+        for number, _ in enumerate(zip(streams[False], streams[True])):
+            for rehearsal in (False, True) if (number + rep) % 2 == 0 else (True, False):
+                evict_files(roots[number])
+                out[rehearsal].append({"experience": number, **_experience(loaders[rehearsal], args.stream_epochs)})
     return out
 
 
@@ -279,30 +294,32 @@ def throughput_runs(args, work: str) -> dict:
     roots = stream_roots(work, args.stream_experiences, args.stream_images)
     runs = []
     for rep in range(args.reps):
-        for rehearsal in (False, True) if rep % 2 == 0 else (True, False):  # neither always runs first
-            per_experience = throughput_run(roots, rehearsal, args)
+        for rehearsal, per_experience in throughput_run(roots, rep, args).items():
             samples, seconds = sum(e["samples"] for e in per_experience), sum(e["time_s"] for e in per_experience)
             runs.append({"rehearsal": rehearsal, "rep": rep, "experiences": per_experience,
                          "samples_per_s": samples / seconds})
             print(f"  rep {rep} rehearsal={rehearsal}: {samples / seconds:.0f} samples/s", flush=True)
-    ratios, later_ratios = [], []
+    ratios, later_ratios, relative = [], [], []
     for rep in range(args.reps):
         on, off = (next(r for r in runs if r["rep"] == rep and r["rehearsal"] is flag) for flag in (True, False))
         ratios.append(on["samples_per_s"] / off["samples_per_s"])
         later_ratios.append(statistics.median(a["later_samples_per_s"] / b["later_samples_per_s"]
                                               for a, b in zip(on["experiences"], off["experiences"])))
-    flat = {flag: flatness(runs, flag, args.stream_experiences) for flag in (True, False)}
+        relative.append([a["samples_per_s"] / b["samples_per_s"]
+                         for a, b in zip(on["experiences"], off["experiences"])])
+    series = {flag: [[e["samples_per_s"] for e in run["experiences"]] for run in runs if run["rehearsal"] is flag]
+              for flag in (True, False)}
     return {"runs": runs, "ratio": metrics.spread(ratios), "ratios": ratios,
-            "later_ratio": metrics.spread(later_ratios), **flat[True],
-            "without": flat[False]}
+            "later_ratio": metrics.spread(later_ratios), "relative": flatness(relative), **flatness(series[True]),
+            "without": flatness(series[False])}
 
 
-def flatness(runs: list[dict], rehearsal: bool, experiences: int) -> dict:
-    """How samples/s moves from experience 1 to the last (experience 0 has nothing to replay): each experience's
-    median over the repetitions, their largest gap from their median, and the change from the first to the last
-    of a straight line fitted through them (what grows with the stream, apart from the machine's noise)."""
-    mine = [run for run in runs if run["rehearsal"] is rehearsal]
-    rates = [statistics.median(run["experiences"][k]["samples_per_s"] for run in mine) for k in range(1, experiences)]
+def flatness(series: list[list[float]]) -> dict:
+    """How a figure moves from experience 1 to the last (experience 0 has nothing to replay), given per
+    repetition per experience: each experience's median over the repetitions, their largest gap from their
+    median, and the change from the first to the last of a straight line fitted through them (what grows with
+    the stream, apart from the machine's noise)."""
+    rates = [statistics.median(rep[k] for rep in series) for k in range(1, len(series[0]))]
     middle = statistics.median(rates)
     slope, intercept = np.polyfit(np.arange(len(rates)), rates, 1)
     return {"experience_rates": rates, "flatness": max(abs(rate / middle - 1) for rate in rates),
@@ -322,9 +339,11 @@ def markdown(result: dict, args) -> str:
                   f"{args.reps} repetitions): samples/s with rehearsal ÷ without {report.spread_text(t['ratio'])} "
                   f"(in the epochs after each experience's first, all cache hits: "
                   f"{report.spread_text(t['later_ratio'])}); from experience 1 to {args.stream_experiences - 1}, "
-                  f"each experience's samples/s (median of the repetitions) within {t['flatness']:.1%} of their "
-                  f"median (without rehearsal: {t['without']['flatness']:.1%}), and a straight line through them "
-                  f"{t['trend']:+.1%} from the first to the last (without rehearsal: {t['without']['trend']:+.1%})."]
+                  f"each experience's samples/s with rehearsal ÷ without, side by side (median of the repetitions) "
+                  f"within {t['relative']['flatness']:.1%} of their median, a straight line through them "
+                  f"{t['relative']['trend']:+.1%} from the first to the last; each loader's own samples/s within "
+                  f"{t['flatness']:.1%} (without rehearsal: {t['without']['flatness']:.1%}) of their median, a "
+                  f"line {t['trend']:+.1%} (without: {t['without']['trend']:+.1%}), with the machine's speed."]
     return "\n".join(lines)
 
 
