@@ -391,6 +391,17 @@ def test_a_closed_loader_holds_no_file_of_its_disk_cache_open(tmp_path):
         assert _open_in(tmp_path / "disk") == []
 
 
+def test_without_cache_dir_the_storage_is_not_wrapped_so_a_hit_runs_no_code_of_the_tier(tmp_path):
+    import zlib
+
+    import coordl
+    files = _storage_with_files(tmp_path, n=4)
+    with coordl.DataLoader(coordl.FileDataset(files, decode=zlib.crc32), batch_size=2, collate_fn=list) as loader:
+        assert type(loader.dataset.storage) is FileStorage
+        [x for b in loader for x in b]
+        assert loader.stats().epochs[0].disk_tier is False
+
+
 def test_what_a_cache_holds_counts_a_key_written_again_once(tmp_path):
     cache = _cache(tmp_path / "c")
     items = _items(5)
